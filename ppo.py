@@ -1,0 +1,652 @@
+"""PPO for RLHF in one file: sample, score, take clipped policy-gradient steps on the same rollout.
+
+The policy (a causal LM) samples responses to prompts; a reward model (or a rule) scores each whole
+response; a per-token KL penalty against a frozen copy of the starting model turns that score into
+per-token rewards; a learned critic and GAE turn rewards into advantages; and the clipped surrogate of
+PPO (Schulman et al., 2017, arXiv:1707.06347) takes several minibatch steps on the rollout without
+letting any token's probability move far from where it was sampled. The RLHF form is that of
+Ziegler et al. (2019, arXiv:1909.08593) and Ouyang et al. (2022, arXiv:2203.02155).
+
+Where this file departs from the papers, and why:
+- The KL penalty is folded into the per-token reward (Ziegler et al.), not added to the loss, so the
+  critic and the advantages see it token by token.
+- The log-probs of the rollout policy (logprobs_old) are recorded while sampling, from the very logits
+  that were sampled from. Recomputing them later in a second forward pass is the classic bug: after any
+  update every ratio is 1 and clipping never engages.
+- The critic is a separate model initialised from the (first) reward model, as in Ouyang et al.: it
+  already reads text in terms of the score it must predict. With a rule reward it starts from the policy.
+- Scores can be normalised by running moments and several reward models are combined by their minimum,
+  the fixes for value divergence and reward exploitation; a response that never ends pays a penalty.
+- Dropout stays off in every model (eval mode), so that the ratio on the first minibatch is exactly 1.
+
+Commands:
+  python ppo.py                                     # the embedded default: tiny models, CPU, minutes
+  python ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> \\
+      --dataset <prompts.jsonl> --model_dtype bfloat16      # one GPU, hub models
+  torchrun --nproc_per_node=8 ppo.py --args ...     # one process per GPU; gradients all-reduced
+"""
+
+import json
+import os
+import random
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.cache_utils import DynamicCache
+
+from kernels import token_logprobs
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = "ppo"
+    """name of the run (wandb run name)"""
+    seed: int = 1
+    """random seed (each process adds its rank)"""
+    output_dir: str = "runs/ppo"
+    """where metrics.jsonl, args.json and the final policy are written"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rlhf-reference"
+    """wandb project name"""
+
+    # models
+    model_name_or_path: str = "assets/tiny-sft"
+    """the starting policy (a causal LM); the frozen reference is a copy of it"""
+    reward_model_path: tuple[str, ...] = ("assets/tiny-rm",)
+    """reward models (sequence classifiers, one label); with several, the score is their minimum"""
+    reward_fn: Optional[str] = None
+    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the answer)"""
+    value_model_path: Optional[str] = None
+    """where the critic is initialised from; default: the first reward model, else the policy"""
+    model_dtype: str = "float32"
+    """dtype of the models' weights: float32, bfloat16 or float16"""
+
+    # data
+    dataset: str = "assets/reviews/train.jsonl"
+    """a local .json/.jsonl file, or a hub dataset name"""
+    dataset_split: str = "train"
+    """split of a hub dataset"""
+    prompt_field: str = "prompt"
+    """the dataset column holding the prompt text"""
+    answer_field: str = "answer"
+    """the dataset column holding the reference answer (rule rewards only)"""
+    max_prompt_length: int = 64
+    """longest prompt in tokens"""
+    truncate_prompts: bool = False
+    """cut longer prompts to their last max_prompt_length tokens (with a warning) instead of stopping"""
+
+    # generation
+    response_length: int = 24
+    """most new tokens per response"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs of training and KL use the same temperature"""
+
+    # batch sizes
+    total_episodes: int = 9600
+    """responses sampled over the whole run"""
+    rollout_batch_size: int = 64
+    """prompts per iteration, over all processes"""
+    minibatch_size: int = 16
+    """sequences per optimiser step, over all processes"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward in one process (gradient accumulation makes up the minibatch)"""
+    num_epochs: int = 4
+    """passes over each rollout (the seed's 1-4)"""
+
+    # optimisation
+    learning_rate: float = 3e-5
+    """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
+    value_learning_rate: float = 1e-4
+    """critic learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip, per model"""
+    clip_range: float = 0.2
+    """epsilon of the clipped surrogate: ratios are held inside [1-eps, 1+eps]"""
+    value_clip_range: float = 0.2
+    """values may move at most this far from the rollout's values in one rollout"""
+    vf_coef: float = 0.1
+    """weight of the value loss (c1)"""
+    ent_coef: float = 0.0
+    """weight of the entropy bonus (c2, 0 to 0.01)"""
+    gamma: float = 1.0
+    """discount; 1.0 because every token serves the one final score"""
+    lam: float = 0.95
+    """GAE lambda"""
+
+    # reward and KL
+    kl_coef: float = 0.1
+    """beta: the per-token KL penalty coefficient (the starting value when adaptive)"""
+    adaptive_kl: bool = True
+    """adapt beta towards kl_target (Ziegler et al. 2019); off keeps beta fixed"""
+    kl_target: float = 3.0
+    """target KL to the reference, summed over a response, in nats"""
+    kl_horizon: int = 2000
+    """episodes over which the adaptive controller may move beta by its full step"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the (normalised) score of a response that ends without EOS"""
+    normalize_reward: bool = True
+    """normalise scores by the running mean and std of all scores seen so far"""
+
+    # logging and alarms
+    log_samples_every: int = 10
+    """print a few prompt / response / score rows every this many iterations"""
+    alarm_kl: float = 20.0
+    """warn when the KL to the reference passes this (KL explosion)"""
+    alarm_clipfrac: float = 0.3
+    """warn when the clip fraction passes this (steps too large)"""
+    alarm_collapse: float = 0.5
+    """warn when entropy or distinct-2 falls below this fraction of its first value (mode collapse)"""
+
+    # filled in at runtime
+    world_size: int = 1
+    """(runtime) number of processes"""
+    num_iterations: int = 0
+    """(runtime) total_episodes // rollout_batch_size"""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The math: small pure functions, tensors in and tensors out.
+# ----------------------------------------------------------------------------------------------------
+
+
+def masked_sum_count(x, mask):
+    """Sum of x over mask and the number of valid entries, summed over all processes when distributed."""
+    total = torch.stack([(x * mask).sum(), mask.sum()]).double()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    return total[0], total[1]
+
+
+def masked_mean(x, mask):
+    """Mean of x over valid entries of the whole (global) batch."""
+    s, n = masked_sum_count(x, mask)
+    return (s / n.clamp(min=1)).to(x.dtype)
+
+
+def global_mean(x):
+    """Mean of a per-sequence statistic over the whole (global) batch, as a float."""
+    x = x.float()
+    return masked_mean(x, torch.ones_like(x)).item()
+
+
+def masked_var(x, mask):
+    """Biased variance of x over valid entries of the whole (global) batch."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def masked_whiten(x, mask, eps=1e-8):
+    """(x - mean) / std over the valid tokens of this batch; padding stays 0.
+    Per batch, never global: a batch of easy prompts must not produce inflated advantages."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def per_token_rewards(scores, logprobs_old, logprobs_ref, response_mask, kl_coef):
+    """The seed's r-tilde: r_t = -beta * (log pi_old - log pi_ref) on every token, plus the score on the last.
+
+    scores (B,), logprobs_* and response_mask (B, T) with mask a prefix of ones. Returns rewards (B, T)
+    and the per-token KL estimate (B, T)."""
+    kl = (logprobs_old - logprobs_ref) * response_mask  # (B, T)
+    rewards = -kl_coef * kl
+    last = response_mask.sum(1).long() - 1  # (B,) index of the final (EOS or cut-off) token
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards, kl
+
+
+def gae_advantages(rewards, values, response_mask, gamma, lam):
+    """Generalised advantage estimation over response tokens (Schulman et al. 2016):
+    delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = sum_k (gamma lam)^k delta_{t+k},
+    with V = 0 after the last token. returns = A + V is the critic's regression target."""
+    rewards, values = rewards * response_mask, values * response_mask  # (B, T); zero past the end
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    last_gae = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last_gae)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages[:, t] = last_gae
+    advantages = advantages * response_mask
+    return advantages, advantages + values
+
+
+def policy_loss(logprobs, logprobs_old, advantages, clip_range):
+    """Per-token clipped surrogate, negated to be minimised (the seed's L^CLIP):
+    -min(rho A, clip(rho, 1-eps, 1+eps) A) with rho = exp(logp - logp_old). The min switches the gradient
+    off once a token has moved eps in the direction its advantage wants, never when it moved the other way.
+    Returns the loss (B, T), the ratio and whether each token was clipped."""
+    ratio = torch.exp(logprobs - logprobs_old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_range, 1 + clip_range) * advantages
+    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
+
+
+def value_loss(values, values_old, returns, clip_range):
+    """Per-token value loss with the prediction clipped around the rollout's value (the seed's fix for
+    value divergence): max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). Returns the loss (B, T)
+    and whether the clipped term was the larger."""
+    values_clipped = values_old + torch.clamp(values - values_old, -clip_range, clip_range)
+    loss_unclipped, loss_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
+    return torch.max(loss_unclipped, loss_clipped), (loss_clipped > loss_unclipped).float()
+
+
+def adaptive_kl_coef(kl_coef, kl, kl_target, horizon, n_episodes):
+    """Ziegler et al. (2019) proportional controller: e = clip(KL / target - 1, -0.2, 0.2),
+    beta <- beta (1 + e n / horizon). KL above target raises beta, below lowers it."""
+    error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * n_episodes / horizon)
+
+
+def update_moments(mean, var, count, batch_mean, batch_var, batch_count):
+    """Merge a batch's mean and (biased) variance into running ones (Chan et al.'s parallel formula),
+    so the running statistics equal those of the whole stream seen so far."""
+    total = count + batch_count
+    delta = batch_mean - mean
+    new_mean = mean + delta * batch_count / total
+    m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
+    return new_mean, m2 / total, total
+
+
+def distinct_n(sequences, n):
+    """Distinct-n: unique n-grams over all n-grams in a batch of token lists (1.0 = no repetition)."""
+    ngrams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(ngrams)) / max(len(ngrams), 1)
+
+
+def arithmetic_reward(responses, answers):
+    """Rule reward: 1 when the response, stripped, is exactly the answer, else 0."""
+    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+
+
+REWARD_FNS = {"arithmetic": arithmetic_reward}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models: forward passes and the one place that builds them.
+# ----------------------------------------------------------------------------------------------------
+
+
+def position_ids_from(attention_mask):
+    """Left padding shifts every prompt; positions count real tokens only."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
+    """Teacher-forced log-probs (and entropies) of the response tokens input_ids[:, prompt_length:]."""
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).logits
+    logits = logits[:, prompt_length - 1 : -1]  # (B, T, V): position t predicts token t+1
+    return token_logprobs(logits, input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
+
+
+def head_outputs(model, input_ids, attention_mask):
+    """Scalar head of a sequence classifier at every position (B, L): per-token values for the critic;
+    the reward model's score is the entry at the last real token (the EOS)."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()  # (B, L)
+
+
+@torch.no_grad()
+def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id):
+    """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits
+    it was sampled from (logprobs_old). Left-padded prompts; a sequence stops at its first EOS, after
+    which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and response_mask (B, T),
+    where the mask covers every token up to and including the EOS."""
+    B = prompt_ids.shape[0]
+    cache = DynamicCache()
+    attention_mask = prompt_mask
+    positions = position_ids_from(prompt_mask)  # (B, P)
+    logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True).logits[:, -1]
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    tokens, logprobs, masks = [], [], []
+    for step in range(max_new_tokens):
+        probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+        token = torch.multinomial(probs, 1).squeeze(-1)  # (B,)
+        logprob = token_logprobs(logits, token, temperature)  # (B,), the same logits, the same temperature
+        masks.append(~done)
+        tokens.append(torch.where(done, pad_token_id, token))
+        logprobs.append(torch.where(done, 0.0, logprob))
+        done = done | (token == eos_token_id)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache, use_cache=True)
+        logits, next_position = out.logits[:, -1], next_position + 1
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+
+
+def check_model_path(path, kind, what):
+    """One sentence for a path that is not there or not the right kind of model, before anything loads."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder written by save_pretrained or a hub model name.")
+    archs = config.architectures or []
+    if kind == "causal" and not any(a.endswith("ForCausalLM") for a in archs):
+        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a causal LM; pass a model saved as ...ForCausalLM.")
+    if kind == "classifier" and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a sequence classifier; pass a model saved as ...ForSequenceClassification with num_labels=1.")
+    if kind == "classifier" and getattr(config, "num_labels", 1) != 1:
+        raise SystemExit(f"{what} '{path}' has {config.num_labels} labels; a reward model needs exactly one (num_labels=1).")
+
+
+def build_models(args, tokenizer, device):
+    """Load the policy, its frozen reference, the reward models and the critic; every model in eval mode
+    (no dropout), the frozen ones without gradients."""
+    dtype = getattr(torch, args.model_dtype)
+    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
+    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval().requires_grad_(False)
+    reward_models = [
+        AutoModelForSequenceClassification.from_pretrained(p, dtype=dtype, num_labels=1).to(device).eval().requires_grad_(False)
+        for p in args.reward_model_path
+    ]
+    value_model = AutoModelForSequenceClassification.from_pretrained(args.value_model_path, dtype=dtype, num_labels=1).to(device).eval()
+    for m in reward_models + [value_model]:
+        m.config.pad_token_id = tokenizer.pad_token_id
+    return policy, ref_policy, reward_models, value_model
+
+
+def load_prompts(args, tokenizer):
+    """Tokenise every prompt once, checking the dataset and the prompt lengths before any model loads."""
+    from datasets import load_dataset
+
+    if args.dataset.endswith((".json", ".jsonl")):
+        if not os.path.isfile(args.dataset):
+            raise SystemExit(f"dataset file '{args.dataset}' does not exist; pass --dataset with a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
+        if not open(args.dataset).read(4096).strip():
+            raise SystemExit(f"dataset '{args.dataset}' is empty; pass a dataset with at least one prompt.")
+        data = load_dataset("json", data_files=args.dataset, split="train")
+    else:
+        data = load_dataset(args.dataset, split=args.dataset_split)
+    if len(data) == 0:
+        raise SystemExit(f"dataset '{args.dataset}' is empty; pass a dataset with at least one prompt.")
+    if args.prompt_field not in data.column_names:
+        raise SystemExit(f"dataset '{args.dataset}' has no '{args.prompt_field}' column (it has {data.column_names}); pass --prompt_field with the column holding the prompts.")
+    if args.reward_fn and args.answer_field not in data.column_names:
+        raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but '{args.dataset}' has no '{args.answer_field}' (it has {data.column_names}); pass --answer_field.")
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data[args.prompt_field]]
+    too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
+    if too_long and not args.truncate_prompts:
+        longest = max(len(prompts[i]) for i in too_long)
+        raise SystemExit(f"{len(too_long)} prompts are longer than --max_prompt_length {args.max_prompt_length} (the longest has {longest} tokens); raise it, or pass --truncate_prompts to keep their last tokens.")
+    if too_long:
+        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens (--truncate_prompts).")
+        prompts = [p[-args.max_prompt_length :] for p in prompts]
+    if any(len(p) == 0 for p in prompts):
+        raise SystemExit(f"dataset '{args.dataset}' has empty prompts; remove them (a response needs a prompt to follow).")
+    answers = data[args.answer_field] if args.reward_fn else [None] * len(prompts)
+    return prompts, answers
+
+
+def left_pad(sequences, pad_token_id, device):
+    """Token lists to a left-padded (B, P) tensor and its attention mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
+    return ids.to(device), mask.to(device)
+
+
+def validate(args):
+    """Everything that can be checked before a model loads."""
+    if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
+        raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} and --minibatch_size {args.minibatch_size} must be multiples of the {args.world_size} processes.")
+    if args.rollout_batch_size % args.minibatch_size:
+        raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide --rollout_batch_size {args.rollout_batch_size}; pick sizes where it does.")
+    if (args.minibatch_size // args.world_size) % args.micro_batch_size:
+        raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of {args.minibatch_size // args.world_size}; pick one that does.")
+    if args.total_episodes < args.rollout_batch_size:
+        raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of {args.rollout_batch_size}; raise it.")
+    if args.temperature <= 0:
+        raise SystemExit(f"--temperature must be positive (got {args.temperature}); sampling with a KL penalty needs a distribution.")
+    if not args.reward_model_path and not args.reward_fn:
+        raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
+    if args.reward_fn and args.reward_fn not in REWARD_FNS:
+        raise SystemExit(f"unknown --reward_fn '{args.reward_fn}'; choose one of {sorted(REWARD_FNS)}.")
+    if args.model_dtype not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
+    check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
+    for p in args.reward_model_path:
+        check_model_path(p, "classifier", "--reward_model_path")
+    if args.value_model_path is None:
+        args.value_model_path = args.reward_model_path[0] if args.reward_model_path else args.model_name_or_path
+    check_model_path(args.value_model_path, "any", "--value_model_path")
+
+
+ALARMS = {
+    "kl_explosion": "KL to the reference is past --alarm_kl: raise beta (--kl_coef, --kl_target), lower the learning rate.",
+    "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or --num_epochs.",
+    "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise beta, or stop earlier.",
+    "value_divergence": "the value loss is rising: keep --normalize_reward, lower --value_learning_rate.",
+    "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise beta, stop earlier.",
+}
+
+
+def main(args):
+    # --- distributed set-up: one process per device under torchrun; a plain run needs none of it ---
+    rank, local_rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.world_size > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    is_main = rank == 0
+    validate(args)
+    args.num_iterations = args.total_episodes // args.rollout_batch_size
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; responses could never end. Set tokenizer.eos_token and save it.")
+    if tokenizer.pad_token_id is None:
+        warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts, answers = load_prompts(args, tokenizer)
+    policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
+    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
+    value_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5)
+    reward_fn = REWARD_FNS.get(args.reward_fn)
+
+    # Everything besides the models and optimisers that a resumed run needs, in one place.
+    state = dict(iteration=0, episodes=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0, score_count=0.0,
+                 data_epoch=0, data_cursor=0, first_entropy=None, first_distinct2=None, value_loss_ema=None, value_loss_best=None)
+    os.makedirs(args.output_dir, exist_ok=True)
+    if is_main:
+        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args))
+    local_batch = args.rollout_batch_size // args.world_size
+    alarms_on = set()
+
+    for iteration in range(1, args.num_iterations + 1):
+        t0 = time.time()
+        # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+        if state["data_cursor"] + args.rollout_batch_size > len(prompts):
+            state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed + state["data_epoch"])).tolist()
+        start = state["data_cursor"] + rank * local_batch
+        idx = [order[i % len(prompts)] for i in range(start, start + local_batch)]
+        state["data_cursor"] += args.rollout_batch_size
+        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)  # (B, P)
+        P = prompt_ids.shape[1]
+
+        # --- 2. generate with the current policy, recording logprobs_old as we sample ---
+        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature, tokenizer.eos_token_id, tokenizer.pad_token_id)  # (B, T) each
+        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, response_mask], 1)
+        t_generate = time.time() - t0
+
+        with torch.no_grad():
+            # --- 3. score the full responses; the reward model reads the EOS position ---
+            last = P + response_mask.sum(1) - 1  # (B,) index of the final response token
+            rows = torch.arange(local_batch, device=device)
+            scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]
+            score = torch.stack(scores).min(0).values if scores else torch.zeros(local_batch, device=device)  # (B,)
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            if reward_fn:
+                score = score + torch.tensor(reward_fn(texts, [answers[i] for i in idx]), device=device)
+            raw_score = score.clone()
+            ones = torch.ones_like(score)
+            if args.normalize_reward:  # running moments over every score seen, on every process
+                batch_mean = masked_mean(score, ones).item()
+                batch_var = masked_var(score, ones).item()
+                state["score_mean"], state["score_var"], state["score_count"] = update_moments(
+                    state["score_mean"], state["score_var"], state["score_count"], batch_mean, batch_var, float(args.rollout_batch_size))
+                score = (score - state["score_mean"]) / (state["score_var"] ** 0.5 + 1e-8)
+            has_eos = (responses == tokenizer.eos_token_id).any(1)
+            score = torch.where(has_eos, score, score - args.missing_eos_penalty)
+
+            # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
+            logprobs_ref = response_logprobs(ref_policy, input_ids, attention_mask, P, args.temperature) * response_mask  # (B, T)
+            values_old = head_outputs(value_model, input_ids, attention_mask)[:, P - 1 : -1] * response_mask  # (B, T): V(s_t) before token t
+            rewards, kl = per_token_rewards(score, logprobs_old, logprobs_ref, response_mask, state["kl_coef"])
+            advantages, returns = gae_advantages(rewards, values_old, response_mask, args.gamma, args.lam)
+            raw_advantages = advantages
+            advantages = masked_whiten(advantages, response_mask)
+        t_score = time.time() - t0 - t_generate
+
+        # --- 5. optimise: epochs of shuffled minibatches, accumulated over micro-batches ---
+        local_minibatch = args.minibatch_size // args.world_size
+        sums, counts = defaultdict(float), defaultdict(float)
+        ratio_max, first_ratio_dev = torch.zeros((), device=device), None
+        for epoch in range(args.num_epochs):
+            perm = torch.randperm(local_batch, device=device)
+            for mb_start in range(0, local_batch, local_minibatch):
+                mb_idx = perm[mb_start : mb_start + local_minibatch]
+                mb_mask = response_mask[mb_idx].float()
+                mb_tokens = masked_sum_count(mb_mask, mb_mask)[1].item()  # valid tokens in the global minibatch
+                for micro_start in range(0, local_minibatch, args.micro_batch_size):
+                    i = mb_idx[micro_start : micro_start + args.micro_batch_size]
+                    mask = response_mask[i].float()  # (b, T)
+                    logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], P, args.temperature, return_entropy=True)
+                    values = head_outputs(value_model, input_ids[i], attention_mask[i])[:, P - 1 : -1]  # (b, T)
+                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, logprobs_old[i], advantages[i], args.clip_range)
+                    vf_loss, vf_clipped = value_loss(values, values_old[i], returns[i], args.value_clip_range)
+                    # Token mean over the whole minibatch on all processes, so micro-batching changes nothing.
+                    loss = ((pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy) * mask).sum() / mb_tokens
+                    loss.backward()
+                    with torch.no_grad():
+                        log_ratio = (logprobs - logprobs_old[i]) * mask
+                        for key, x in (("policy/loss", pg_loss), ("val/loss", vf_loss), ("policy/entropy", entropy), ("policy/clipfrac", pg_clipped),
+                                       ("val/clipfrac", vf_clipped), ("policy/ratio_mean", ratio), ("policy/approx_kl", (ratio - 1) - log_ratio)):
+                            sums[key] += (x * mask).sum().item()
+                        counts["tokens"] += mask.sum().item()
+                        ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
+                        if first_ratio_dev is None:  # 0 unless logprobs_old went stale: the seed's sanity check
+                            first_ratio_dev = ((ratio - 1).abs() * mask).max().item()
+                for model, optimizer in ((policy, policy_optimizer), (value_model, value_optimizer)):
+                    if args.world_size > 1:  # each process summed its share of the global token mean
+                        for p in model.parameters():
+                            if p.grad is not None:
+                                dist.all_reduce(p.grad)
+                    sums[f"grad_norm/{'policy' if model is policy else 'value'}"] += torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                counts["steps"] += 1
+        t_optimize = time.time() - t0 - t_generate - t_score
+
+        # --- 6. the dashboard: batch statistics over all processes ---
+        state["iteration"], state["episodes"] = iteration, state["episodes"] + args.rollout_batch_size
+        tok_stats = torch.tensor([sums[k] for k in sorted(sums)] + [counts["tokens"], counts["steps"]], device=device, dtype=torch.float64)
+        if args.world_size > 1:
+            dist.all_reduce(tok_stats)
+            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+        opt = dict(zip(sorted(sums), tok_stats[:-2].tolist()))
+        n_tokens, n_steps = tok_stats[-2].item(), tok_stats[-1].item()
+        seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
+        lengths = response_mask.sum(1).float()
+        token_lists = [r[: int(n)].tolist() for r, n in zip(responses, lengths)]
+        var_returns = masked_var(returns, response_mask).item()
+        m = {
+            "iteration": iteration,
+            "episodes": state["episodes"],
+            "objective/score": global_mean(raw_score),
+            "objective/score_normalized": global_mean(score),
+            "objective/kl": global_mean(seq_kl),
+            "objective/kl_coef": state["kl_coef"],
+            "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
+            "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
+            "policy/first_ratio_dev": first_ratio_dev,
+            "policy/ratio_max": ratio_max.item(),
+            "val/explained_variance": 1 - masked_var(returns - values_old, response_mask).item() / max(var_returns, 1e-8),
+            "val/mean": masked_mean(values_old, response_mask).item(),
+            "adv/mean": masked_mean(raw_advantages, response_mask).item(),
+            "adv/std": masked_var(raw_advantages, response_mask).item() ** 0.5,
+            "response/length": global_mean(lengths),
+            "response/eos_rate": global_mean(has_eos),
+            "response/distinct1": global_mean(torch.tensor([distinct_n(token_lists, 1)], device=device)),
+            "response/distinct2": global_mean(torch.tensor([distinct_n(token_lists, 2)], device=device)),
+            "time/generate": t_generate,
+            "time/score": t_score,
+            "time/optimize": t_optimize,
+            "time/iteration": time.time() - t0,
+        }
+        m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in opt.items()})
+        m["time/tokens_per_second"] = args.rollout_batch_size * (P + m["response/length"]) / m["time/iteration"]
+
+        # --- 7. the adaptive KL controller steps on the measured KL of this rollout ---
+        if args.adaptive_kl:
+            state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], m["objective/kl"], args.kl_target, args.kl_horizon, args.rollout_batch_size)
+
+        # --- 8. alarms: the seed's failure-mode signatures ---
+        state["first_entropy"] = state["first_entropy"] or m["policy/entropy"]
+        state["first_distinct2"] = state["first_distinct2"] or m["response/distinct2"]
+        ema = m["val/loss"] if state["value_loss_ema"] is None else 0.9 * state["value_loss_ema"] + 0.1 * m["val/loss"]
+        state["value_loss_ema"], state["value_loss_best"] = ema, min(ema, state["value_loss_best"] or ema)
+        firing = {
+            "kl_explosion": m["objective/kl"] > args.alarm_kl,
+            "clip_fraction": m["policy/clipfrac"] > args.alarm_clipfrac,
+            "entropy_collapse": m["policy/entropy"] < args.alarm_collapse * state["first_entropy"],
+            "value_divergence": iteration > 10 and ema > 2 * state["value_loss_best"],
+            "diversity_collapse": m["response/distinct2"] < args.alarm_collapse * state["first_distinct2"],
+        }
+        m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
+
+        if is_main:
+            print(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | score {m['objective/score']:+.3f} kl {m['objective/kl']:.2f} "
+                  f"beta {m['objective/kl_coef']:.3f} | len {m['response/length']:.1f} eos {m['response/eos_rate']:.2f} d2 {m['response/distinct2']:.2f} "
+                  f"| ent {m['policy/entropy']:.2f} clip {m['policy/clipfrac']:.3f} vloss {m['val/loss']:.3f} ev {m['val/explained_variance']:.2f} "
+                  f"| {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}", flush=True)
+            for name, on in firing.items():
+                if on and name not in alarms_on:
+                    print(f"ALARM {name}: {ALARMS[name]}", flush=True)
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(m, step=state["episodes"])
+            if iteration % args.log_samples_every == 0 or iteration == 1:
+                prompt_texts = tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True)
+                for p, r, s in zip(prompt_texts, texts[:3], raw_score[:3].tolist()):
+                    print(f"    {s:+.2f} | {p!r} -> {r!r}")
+        alarms_on = {name for name, on in firing.items() if on}
+
+    # --- 9. save the final policy where from_pretrained can load it ---
+    if is_main:
+        metrics_file.close()
+        policy.save_pretrained(args.output_dir)
+        tokenizer.save_pretrained(args.output_dir)
+        print(f"saved the policy to {args.output_dir}")
+        if args.track:
+            wandb.finish()
+    if args.world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))

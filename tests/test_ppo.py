@@ -1,0 +1,341 @@
+"""ppo.py against independent references: plain loops, hand computations and the seed document's worked examples."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+import ppo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAD, EOS = 0, 1
+
+
+def tiny_config(**kw):
+    return LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, **kw)
+
+
+def prefix_mask(lengths, T):
+    return (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).float()
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def gae_loop(rewards, values, gamma, lam):
+    """GAE for one sequence of valid tokens, written as the definition: A_t = sum_k (gamma lam)^k delta_{t+k}."""
+    T = len(rewards)
+    deltas = [rewards[t] + gamma * (values[t + 1] if t + 1 < T else 0.0) - values[t] for t in range(T)]
+    return [sum((gamma * lam) ** k * deltas[t + k] for k in range(T - t)) for t in range(T)]
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 7), (5, 16)])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.5), (1.0, 1.0), (0.99, 0.0)])
+def test_gae_matches_plain_loop(B, T, gamma, lam):
+    g = torch.Generator().manual_seed(B * 100 + T)
+    lengths = torch.randint(1, T + 1, (B,), generator=g).tolist()
+    mask = prefix_mask(lengths, T)
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    advantages, returns = ppo.gae_advantages(rewards, values, mask, gamma, lam)
+    for b, n in enumerate(lengths):
+        expected = gae_loop(rewards[b, :n].tolist(), values[b, :n].tolist(), gamma, lam)
+        assert advantages[b, :n].tolist() == pytest.approx(expected, rel=1e-10, abs=1e-10)
+        assert returns[b, :n].tolist() == pytest.approx([a + v for a, v in zip(expected, values[b, :n].tolist())], abs=1e-10)
+        # whatever lies in the padding must not leak into the answer or be produced there
+        assert advantages[b, n:].abs().sum() == 0 and returns[b, n:].abs().sum() == 0
+
+
+def test_gae_ignores_padding_contents():
+    mask = prefix_mask([2, 4], 4)
+    rewards, values = torch.randn(2, 4), torch.randn(2, 4)
+    garbage_r, garbage_v = rewards + 100 * (1 - mask), values - 50 * (1 - mask)
+    a1, _ = ppo.gae_advantages(rewards, values, mask, 1.0, 0.95)
+    a2, _ = ppo.gae_advantages(garbage_r, garbage_v, mask, 1.0, 0.95)
+    torch.testing.assert_close(a1, a2)
+
+
+def test_whitening_is_masked_and_per_batch():
+    torch.manual_seed(0)
+    lengths = [3, 6, 1, 5]
+    mask = prefix_mask(lengths, 6)
+    x = torch.randn(4, 6, dtype=torch.float64) * 3 + 2
+    x_padded = x + 1000 * (1 - mask)  # padding values must not enter the statistics
+    white = ppo.masked_whiten(x_padded, mask)
+    valid = [v for b, n in enumerate(lengths) for v in x[b, :n].tolist()]
+    mean = sum(valid) / len(valid)
+    std = math.sqrt(sum((v - mean) ** 2 for v in valid) / len(valid))
+    for b, n in enumerate(lengths):
+        assert white[b, :n].tolist() == pytest.approx([(v - mean) / std for v in x[b, :n].tolist()], rel=1e-6)
+        assert white[b, n:].abs().sum() == 0
+    # Per batch: another batch is whitened with its own statistics, not a running global one.
+    white2 = ppo.masked_whiten(x * 10, mask)
+    torch.testing.assert_close(white2, white, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the seed's four-case clipping table
+
+
+@pytest.mark.parametrize(
+    "ratio,advantage,objective,has_gradient",
+    [
+        (1.35, +2.0, 2.40, False),  # good token, already boosted a lot: stop boosting
+        (1.05, +2.0, 2.10, True),  # good token, moved little: keep boosting
+        (0.60, -2.0, -1.60, False),  # bad token, already suppressed a lot: stop suppressing
+        (1.35, -2.0, -2.70, True),  # bad token whose probability rose: full corrective gradient
+    ],
+)
+def test_four_case_clipping_table(ratio, advantage, objective, has_gradient):
+    logprobs = torch.tensor([math.log(ratio)], dtype=torch.float64, requires_grad=True)
+    loss, rho, clipped = ppo.policy_loss(logprobs, torch.zeros(1, dtype=torch.float64), torch.tensor([advantage], dtype=torch.float64), 0.2)
+    assert -loss.item() == pytest.approx(objective, abs=1e-12)
+    loss.sum().backward()
+    if has_gradient:  # d(rho A)/d logp = rho A, the unclipped term's gradient
+        assert -logprobs.grad.item() == pytest.approx(ratio * advantage, rel=1e-12)
+        assert clipped.item() == 0
+    else:
+        assert logprobs.grad.item() == 0
+        assert clipped.item() == 1
+
+
+def test_value_loss_clipped_by_hand():
+    values_old, returns = torch.zeros(3), torch.ones(3)
+    values = torch.tensor([0.5, 0.1, 1.5], requires_grad=True)
+    loss, clipped = ppo.value_loss(values, values_old, returns, 0.2)
+    # 0.5: unclipped (0.5-1)^2 = 0.25, clipped to 0.2 -> 0.64: the larger, clipped, wins.
+    # 0.1: inside the range, both 0.81.  1.5: unclipped 0.25, clipped to 0.2 -> 0.64.
+    assert loss.tolist() == pytest.approx([0.64, 0.81, 0.64])
+    assert clipped.tolist() == [1.0, 0.0, 1.0]
+    loss.sum().backward()
+    assert values.grad.tolist() == pytest.approx([0.0, 2 * (0.1 - 1), 0.0])
+
+
+# ---------------------------------------------------------------- the seed's KL worked example
+
+
+def net_objective(score, n_tokens, mean_log_ratio, beta):
+    mask = torch.ones(1, n_tokens, dtype=torch.float64)
+    logprobs_old = torch.full((1, n_tokens), mean_log_ratio, dtype=torch.float64)
+    rewards, kl = ppo.per_token_rewards(torch.tensor([score], dtype=torch.float64), logprobs_old, torch.zeros_like(logprobs_old), mask, beta)
+    assert rewards[0, :-1].tolist() == pytest.approx([-beta * mean_log_ratio] * (n_tokens - 1))  # the tax on every token
+    return rewards.sum().item(), kl.sum().item()
+
+
+def test_kl_worked_example():
+    aggressive, kl_a = net_objective(3.1, 200, 0.06, 0.1)
+    conservative, kl_c = net_objective(2.4, 200, 0.015, 0.1)
+    assert (kl_a, kl_c) == pytest.approx((12.0, 3.0))
+    assert (aggressive, conservative) == pytest.approx((1.9, 2.1))
+    assert conservative > aggressive
+    aggressive, _ = net_objective(3.1, 200, 0.06, 0.02)
+    conservative, _ = net_objective(2.4, 200, 0.015, 0.02)
+    assert (aggressive, conservative) == pytest.approx((2.86, 2.34))
+    assert aggressive > conservative
+
+
+def test_score_lands_on_last_valid_token():
+    mask = prefix_mask([2, 4], 5)
+    rewards, _ = ppo.per_token_rewards(torch.tensor([1.0, -2.0]), torch.zeros(2, 5), torch.zeros(2, 5), mask, 0.1)
+    assert rewards.tolist() == [[0, 1.0, 0, 0, 0], [0, 0, 0, -2.0, 0]]
+
+
+# ---------------------------------------------------------------- controllers and running statistics
+
+
+def test_adaptive_kl_controller():
+    beta = 0.1
+    assert ppo.adaptive_kl_coef(beta, 9.0, 6.0, 1000, 100) > beta  # KL above target: tighten the leash
+    assert ppo.adaptive_kl_coef(beta, 3.0, 6.0, 1000, 100) < beta  # below target: loosen it
+    assert ppo.adaptive_kl_coef(beta, 6.0, 6.0, 1000, 100) == beta
+    # The proportional error is clipped at +-0.2: beta (1 + 0.2 * 100 / 1000).
+    assert ppo.adaptive_kl_coef(beta, 600.0, 6.0, 1000, 100) == pytest.approx(0.1 * 1.02)
+    assert ppo.adaptive_kl_coef(beta, 0.0, 6.0, 1000, 100) == pytest.approx(0.1 * 0.98)
+
+
+def test_running_moments_match_whole_stream():
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, generator=g, dtype=torch.float64) * s + m for n, s, m in [(7, 1, 0), (64, 3, 2), (1, 1, 5), (30, 0.5, -1)]]
+    mean, var, count = 0.0, 1.0, 0.0
+    for i, b in enumerate(batches):
+        mean, var, count = ppo.update_moments(mean, var, count, b.mean().item(), b.var(unbiased=False).item(), len(b))
+        seen = torch.cat(batches[: i + 1])
+        assert (mean, var, count) == pytest.approx((seen.mean().item(), seen.var(unbiased=False).item(), len(seen)), rel=1e-10)
+
+
+def test_distinct_n_by_hand():
+    assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 1) == 4 / 6
+    assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4
+    assert ppo.distinct_n([[5, 5, 5, 5]], 2) == 1 / 3
+
+
+def test_arithmetic_reward():
+    assert ppo.arithmetic_reward([" 95", "94", "95 "], ["95", "95", "95"]) == [1.0, 0.0, 1.0]
+
+
+# ---------------------------------------------------------------- generation and log-probs
+
+
+def left_padded_prompts(lengths, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+    return ppo.left_pad(prompts, PAD, "cpu")
+
+
+def test_sampled_logprobs_equal_teacher_forced():
+    """logprobs_old recorded while sampling with a KV cache == one full forward over the finished sequences."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_config()).eval()
+    with torch.no_grad():  # make EOS likely enough that some sequences stop early and others do not
+        policy.lm_head.weight[EOS] *= 0
+        policy.lm_head.bias = None
+    prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
+    torch.manual_seed(1)
+    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, 12, 0.7, EOS, PAD)
+    lengths = response_mask.sum(1)
+    assert 0 < (responses == EOS).any(1).sum() < len(responses) or lengths.min() < 12  # a mix of stopped and running
+    for b in range(len(responses)):  # the mask covers the response up to and including its EOS, pad after
+        n = int(lengths[b])
+        eos_at = (responses[b] == EOS).nonzero()
+        if len(eos_at):
+            assert n == eos_at[0].item() + 1
+        assert (responses[b, n:] == PAD).all() and (logprobs_old[b, n:] == 0).all()
+    input_ids = torch.cat([prompt_ids, responses], 1)
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    with torch.no_grad():
+        teacher_forced = ppo.response_logprobs(policy, input_ids, attention_mask, prompt_ids.shape[1], 0.7)
+    torch.testing.assert_close(teacher_forced * response_mask, logprobs_old, atol=2e-5, rtol=1e-5)
+
+
+def test_response_logprobs_equal_plain_torch():
+    """The scripts' log-probs, through kernels/, equal log_softmax + gather on the same forward."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_config()).eval()
+    input_ids, attention_mask = left_padded_prompts([4, 9, 6], 40, seed=2)
+    P = 3
+    with torch.no_grad():
+        logp, entropy = ppo.response_logprobs(policy, input_ids, attention_mask, P, 0.7, return_entropy=True)
+        logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)).logits.double()
+        plain = torch.log_softmax(logits[:, P - 1 : -1] / 0.7, -1)
+    torch.testing.assert_close(logp.double(), plain.gather(-1, input_ids[:, P:, None]).squeeze(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(plain.exp() * plain).sum(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_reward_head_is_padding_invariant():
+    torch.manual_seed(0)
+    rm = LlamaForSequenceClassification(tiny_config(num_labels=1)).eval()
+    seq = torch.randint(2, 40, (7,)).tolist() + [EOS]
+    alone = ppo.head_outputs(rm, torch.tensor([seq]), torch.ones(1, 8, dtype=torch.long))[0, -1]
+    ids = torch.tensor([[PAD] * 3 + seq + [PAD] * 2])
+    mask = (torch.arange(13) >= 3) & (torch.arange(13) < 11)
+    padded = ppo.head_outputs(rm, ids, mask.long()[None])[0, 10]
+    torch.testing.assert_close(alone, padded, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- bad input, before anything loads
+
+
+def write_tiny_models(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
+    LlamaForCausalLM(tiny_config()).save_pretrained(tmp_path / "lm")
+    LlamaForSequenceClassification(tiny_config(num_labels=1)).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "lm")
+    return tokenizer
+
+
+def args_with(**kw):
+    defaults = dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft"), reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
+                    dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"))
+    return ppo.Args(**{**defaults, **kw})
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(model_name_or_path="/nonexistent/model"), "could not be found"),
+        (dict(rollout_batch_size=64, minibatch_size=24), "does not divide --rollout_batch_size"),
+        (dict(minibatch_size=16, micro_batch_size=5), "does not divide the per-process minibatch"),
+        (dict(temperature=0.0), "must be positive"),
+        (dict(reward_model_path=(), reward_fn=None), "no reward"),
+        (dict(reward_fn="nope"), "unknown --reward_fn"),
+        (dict(total_episodes=8), "less than one rollout"),
+    ],
+)
+def test_bad_arguments_fail_with_one_sentence(kw, message):
+    with pytest.raises(SystemExit, match=message):
+        ppo.validate(args_with(**kw))
+
+
+def test_wrong_model_kinds(tmp_path):
+    write_tiny_models(tmp_path)
+    with pytest.raises(SystemExit, match="not a causal LM"):
+        ppo.validate(args_with(model_name_or_path=str(tmp_path / "rm")))
+    with pytest.raises(SystemExit, match="not a sequence classifier"):
+        ppo.validate(args_with(reward_model_path=(str(tmp_path / "lm"),)))
+
+
+def test_bad_datasets(tmp_path):
+    tokenizer = write_tiny_models(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "wrong.jsonl").write_text(json.dumps({"text": "the food was"}) + "\n")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "the food was " * 20}) + "\n" + json.dumps({"prompt": "the plot was"}) + "\n")
+    with pytest.raises(SystemExit, match="does not exist"):
+        ppo.load_prompts(args_with(dataset=str(tmp_path / "missing.jsonl")), tokenizer)
+    with pytest.raises(SystemExit, match="empty"):
+        ppo.load_prompts(args_with(dataset=str(tmp_path / "empty.jsonl")), tokenizer)
+    with pytest.raises(SystemExit, match="no 'prompt' column"):
+        ppo.load_prompts(args_with(dataset=str(tmp_path / "wrong.jsonl")), tokenizer)
+    with pytest.raises(SystemExit, match="longer than --max_prompt_length 16"):
+        ppo.load_prompts(args_with(dataset=str(tmp_path / "long.jsonl"), max_prompt_length=16), tokenizer)
+    with pytest.warns(UserWarning, match="cut to their last 16 tokens"):
+        prompts, _ = ppo.load_prompts(args_with(dataset=str(tmp_path / "long.jsonl"), max_prompt_length=16, truncate_prompts=True), tokenizer)
+    full = tokenizer("the food was " * 20, add_special_tokens=False)["input_ids"]
+    assert prompts[0] == full[-16:] and prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
+    with pytest.raises(SystemExit, match="needs an answer column"):
+        ppo.load_prompts(args_with(dataset=str(tmp_path / "long.jsonl"), reward_fn="arithmetic", max_prompt_length=200), tokenizer)
+
+
+# ---------------------------------------------------------------- the script, end to end
+
+
+def run_script(tmp_path, *extra):
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "ppo.py"), "--total_episodes", "16", "--rollout_batch_size", "8", "--minibatch_size", "4",
+           "--micro_batch_size", "2", "--num_epochs", "2", "--response_length", "8", "--output_dir", str(out), *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result.stdout
+
+
+def test_smoke_run_on_embedded_default(tmp_path):
+    out, stdout = run_script(tmp_path)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2]
+    for r in rows:
+        for key in ("objective/score", "objective/kl", "objective/kl_coef", "policy/entropy", "policy/clipfrac", "policy/approx_kl",
+                    "val/loss", "val/explained_variance", "response/length", "response/eos_rate", "response/distinct2", "time/tokens_per_second"):
+            assert math.isfinite(r[key]), key
+        assert 1 <= r["response/length"] <= 8 and 0 <= r["response/eos_rate"] <= 1
+        # logprobs_old were recorded at sampling time, so before any update the ratio is 1
+        assert r["policy/first_ratio_dev"] < 1e-4
+    assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # the policy is the reference on the first rollout
+    assert "iter 2/2" in stdout
+    model = AutoModelForCausalLM.from_pretrained(out)
+    start = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
+    moved = sum((a - b).abs().sum().item() for a, b in zip(model.parameters(), start.parameters()))
+    assert moved > 0  # the saved policy is the trained one, not the starting one
+
+
+def test_smoke_run_with_rule_reward(tmp_path):
+    out, _ = run_script(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["objective/score"] <= 1.0 for r in rows)  # an exact-match reward, no reward model
+    args = json.loads((out / "args.json").read_text())
+    assert args["value_model_path"] == "assets/tiny-sft"  # the critic starts from the policy when there is no reward model
