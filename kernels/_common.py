@@ -1,0 +1,40 @@
+"""Shape helpers shared by the torch and Triton paths (no Triton import here)."""
+import torch
+
+
+def rows_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """View ``x`` of shape ``(..., V)`` as ``(B, S, V)`` with a unit last stride.
+
+    Views such as ``logits[:, :-1]`` or a transposed ``(L, B, V) -> (B, L, V)`` layout cannot be
+    flattened to 2-D without a copy, but they are still 3-D strided views, so both paths take a
+    batch stride and a row stride instead of flattening. Returns ``(view, copied)``: ``copied`` is
+    True only when a copy could not be avoided (last dim not contiguous, or a >3-D layout whose
+    leading dims do not collapse).
+    """
+    copied = False
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+        copied = True
+    V = x.shape[-1]
+    if x.dim() == 1:
+        return x.view(1, 1, V), copied
+    try:
+        return x.view(1, -1, V), copied  # leading dims collapse: one long run of rows
+    except RuntimeError:
+        pass
+    if x.dim() == 3:
+        return x, copied
+    try:
+        return x.view(-1, x.shape[-2], V), copied
+    except RuntimeError:
+        return x.reshape(-1, x.shape[-2], V), True
+
+
+def prepare_tokens_mask(tokens: torch.Tensor, mask, B: int, S: int):
+    """Tokens as int64 ``(B, S)`` with masked positions set to 0 (so any id, e.g. -100, is safe to gather);
+    mask as bool ``(B, S)`` or None."""
+    tokens = tokens.to(torch.long).reshape(B, S)
+    if mask is not None:
+        mask = mask.to(device=tokens.device).reshape(B, S) != 0
+        tokens = torch.where(mask, tokens, torch.zeros((), dtype=torch.long, device=tokens.device))
+    return tokens, mask

@@ -1,0 +1,180 @@
+"""Chunked torch implementation of per-token log-probs / entropy (the CPU path).
+
+Rows are processed in chunks so that only two ``(rows, V)`` fp32 scratch buffers ever exist
+(sized by ``CHUNK_BYTES``); the full fp32 ``(N, V)`` log-softmax is never materialised. The
+forward saves only the per-row statistics (lse, entropy, logp) besides the logits and tokens,
+and the backward recomputes the probabilities chunk by chunk. Formulas (z = x / T, p = softmax(z)):
+
+    lse        = m + log(sum_i exp(z_i - m)),          m = max_i z_i
+    logp_y     = (z_y - m) - log(s)         (not z_y - lse: m + log s loses log s ~ 1e-7)
+    H          = log(s) - sum_i e_i (z_i - m) / s,     e_i = exp(z_i - m), s = sum_i e_i
+    dlogp_y/dz_i = [i == y] - p_i
+    dH/dz_i      = -p_i (log p_i + H)
+    dL/dx_i      = (1/T) (g_logp ([i == y] - p_i) - g_H p_i (log p_i + H))
+
+The target column is computed separately as g_logp * (-expm1(logp_y)) - g_H p_y (logp_y + H) so
+that 1 - p_y keeps its precision when p_y is close to 1.
+"""
+import torch
+
+# Budget for the two fp32 scratch buffers of one chunk (so peak extra memory is ~CHUNK_BYTES beyond the
+# outputs and, in the backward, the gradient). On a 2-core CPU, 32-128 MB ran as fast as or faster than the
+# unchunked naive version, while 2-8 MB chunks were 3-4x slower (per-op overhead); see bench/logprobs.md.
+CHUNK_BYTES = 128 * 2**20
+_LOGP_CLAMP = -1.0e4  # log p below this has p == 0 in fp32; clamping avoids 0 * -inf = nan
+
+
+def _chunk_rows(V: int, chunk_rows=None) -> int:
+    if chunk_rows is not None:
+        return max(1, int(chunk_rows))
+    return max(1, CHUNK_BYTES // (2 * 4 * V))
+
+
+def _load_z(xc, scale, inv_t, A):
+    """z = x / T in fp32. Returns ``xc`` itself (read-only!) when no conversion is needed."""
+    if xc.dtype == torch.float32 and inv_t == 1.0:
+        return xc
+    # ``scale`` is a 1-element fp32 tensor (not 0-d), so type promotion computes in fp32 even for bf16 x.
+    torch.mul(xc, scale, out=A)
+    return A
+
+
+def _row_chunks(B, S, rows):
+    for b in range(B):
+        for s0 in range(0, S, rows):
+            yield b, s0, min(S, s0 + rows)
+
+
+def _forward_chunk(xc, yc, scale, inv_t, want_entropy, A, B_):
+    z = _load_z(xc, scale, inv_t, A)
+    z_y = z.gather(1, yc[:, None]).squeeze(1)
+    m = z.amax(dim=1)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # all -inf row: keep arithmetic nan-free
+    torch.sub(z, m[:, None], out=A)  # A = z - m (in place when z is A)
+    if want_entropy:
+        torch.exp(A, out=B_)
+        s = B_.sum(dim=1)
+        t = torch.bmm(B_.unsqueeze(1), A.unsqueeze(2)).view(-1)  # sum_i e_i (z_i - m)
+        bad = torch.isnan(t)
+        if bool(bad.any()):  # -inf logits give e_i * (z_i - m) = 0 * -inf; those terms are 0
+            idx = bad.nonzero().view(-1)
+            Bi, Ai = B_[idx], A[idx]
+            t[idx] = torch.where(Bi > 0, Bi * Ai, torch.zeros_like(Ai)).sum(dim=1)
+        log_s = s.log()
+        ent = log_s - t / s
+    else:
+        log_s = A.exp_().sum(dim=1).log()
+        ent = None
+    # (z_y - m) - log s, not z_y - lse: lse = m + log s would round log s away when p_y -> 1
+    return (z_y - m) - log_s, m + log_s, ent
+
+
+def _backward_chunk(xc, yc, lse, ent, logp, g_lp, g_h, scale, inv_t, A, B_, out):
+    """Write dL/dx for one chunk into ``out`` (any float dtype, rows may be strided)."""
+    z = _load_z(xc, scale, inv_t, A)
+    torch.sub(z, lse[:, None], out=A)  # A = log p
+    torch.exp(A, out=B_)  # B = p
+    # target column in fp32, before any cast
+    p_y = logp.exp()
+    c_y = g_lp * (-torch.expm1(logp))
+    if g_h is not None:
+        c_y = c_y - g_h * p_y * (logp + ent)
+        A.add_(ent[:, None]).clamp_(min=_LOGP_CLAMP)  # A = log p + H (finite)
+        # A = -(g_lp + g_h (log p + H))
+        torch.addcmul(-g_lp[:, None], A, -g_h[:, None], out=A)
+        torch.mul(A, B_, out=out)
+    else:
+        torch.mul(B_, -g_lp[:, None], out=out)
+    out.scatter_(1, yc[:, None], c_y[:, None].to(out.dtype))
+
+
+class TorchTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, mask, temperature, want_entropy, inplace_backward, chunk_rows):
+        from ._common import prepare_tokens_mask, rows_view
+
+        x3, copied = rows_view(logits)
+        Bn, Sn, V = x3.shape
+        tok, msk = prepare_tokens_mask(tokens, mask, Bn, Sn)
+        inv_t = 1.0 / float(temperature)
+        dev = logits.device
+        f32 = dict(dtype=torch.float32, device=dev)
+        logp = torch.empty(Bn, Sn, **f32)
+        lse = torch.empty(Bn, Sn, **f32)
+        ent = torch.empty(Bn, Sn, **f32) if want_entropy else None
+        rows = min(_chunk_rows(V, chunk_rows), max(Sn, 1))
+        A = torch.empty(rows, V, **f32)
+        B_ = torch.empty(rows, V, **f32) if want_entropy else None
+        scale = torch.full((1,), inv_t, **f32)
+        with torch.no_grad():
+            for b, s0, s1 in _row_chunks(Bn, Sn, rows):
+                n = s1 - s0
+                lp, ls, en = _forward_chunk(
+                    x3[b, s0:s1], tok[b, s0:s1], scale, inv_t, want_entropy, A[:n], None if B_ is None else B_[:n]
+                )
+                logp[b, s0:s1] = lp
+                lse[b, s0:s1] = ls
+                if want_entropy:
+                    ent[b, s0:s1] = en
+            if msk is not None:
+                zero = torch.zeros((), **f32)
+                logp = torch.where(msk, logp, zero)
+                if want_entropy:
+                    ent = torch.where(msk, ent, zero)
+        del A, B_
+        ctx.save_for_backward(logits, tok, msk, lse, ent, logp)
+        ctx.cfg = (inv_t, want_entropy, inplace_backward, chunk_rows)
+        ctx.set_materialize_grads(False)
+        shape = logits.shape[:-1]
+        if want_entropy:
+            return logp.view(shape), ent.view(shape)
+        return logp.view(shape)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from ._common import rows_view
+
+        logits, tok, msk, lse, ent, logp = ctx.saved_tensors
+        inv_t, want_entropy, inplace, chunk_rows = ctx.cfg
+        g_lp = grads[0]
+        g_h = grads[1] if want_entropy else None
+        if g_lp is None and g_h is None:
+            return (None,) * 7
+        x3, copied = rows_view(logits)
+        Bn, Sn, V = x3.shape
+        dev = logits.device
+        f32 = dict(dtype=torch.float32, device=dev)
+
+        def prep(g):
+            g = g.reshape(Bn, Sn).to(torch.float32) * inv_t
+            if msk is not None:
+                g = torch.where(msk, g, torch.zeros((), **f32))
+            return g.contiguous()
+
+        g_lp = prep(g_lp) if g_lp is not None else torch.zeros(Bn, Sn, **f32)
+        g_h = prep(g_h) if g_h is not None else None
+        if inplace:
+            grad3 = x3  # overwrite the logits (or the private copy rows_view had to make)
+        else:
+            grad3 = torch.empty(Bn, Sn, V, dtype=logits.dtype, device=dev)
+        rows = min(_chunk_rows(V, chunk_rows), max(Sn, 1))
+        A = torch.empty(rows, V, **f32)
+        B_ = torch.empty(rows, V, **f32)
+        scale = torch.full((1,), inv_t, **f32)
+        for b, s0, s1 in _row_chunks(Bn, Sn, rows):
+            n = s1 - s0
+            out = grad3[b, s0:s1]
+            _backward_chunk(
+                x3[b, s0:s1], tok[b, s0:s1], lse[b, s0:s1], None if ent is None else ent[b, s0:s1],
+                logp[b, s0:s1], g_lp[b, s0:s1], None if g_h is None else g_h[b, s0:s1],
+                scale, inv_t, A[:n], B_[:n], out,
+            )
+            if msk is not None:
+                mc = msk[b, s0:s1]
+                if not bool(mc.all()):
+                    out.masked_fill_(~mc[:, None], 0)
+        if inplace and not copied:
+            grad = logits
+        else:
+            grad = grad3.view(logits.shape) if grad3.is_contiguous() else grad3.reshape(logits.shape)
+        return grad, None, None, None, None, None, None
