@@ -104,7 +104,7 @@ class Args:
     """passes over each rollout (the seed's 1-4)"""
 
     # optimisation
-    learning_rate: float = 3e-5
+    learning_rate: float = 1e-4
     """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
     value_learning_rate: float = 1e-4
     """critic learning rate"""
@@ -430,7 +430,7 @@ ALARMS = {
     "kl_explosion": "KL to the reference is past --alarm_kl: raise beta (--kl_coef, --kl_target), lower the learning rate.",
     "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or --num_epochs.",
     "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise beta, or stop earlier.",
-    "value_divergence": "the value loss is rising: keep --normalize_reward, lower --value_learning_rate.",
+    "value_divergence": "the value loss (moving average) rose above its first value: keep --normalize_reward, lower --value_learning_rate.",
     "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise beta, stop earlier.",
 }
 
@@ -461,7 +461,7 @@ def main(args):
 
     # Everything besides the models and optimisers that a resumed run needs, in one place.
     state = dict(iteration=0, episodes=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0, score_count=0.0,
-                 data_epoch=0, data_cursor=0, first_entropy=None, first_distinct2=None, value_loss_ema=None, value_loss_best=None)
+                 data_epoch=0, data_cursor=0, first_entropy=None, first_distinct2=None, first_value_loss=None, value_loss_ema=None)
     os.makedirs(args.output_dir, exist_ok=True)
     if is_main:
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:
@@ -607,13 +607,14 @@ def main(args):
         # --- 8. alarms: the seed's failure-mode signatures ---
         state["first_entropy"] = state["first_entropy"] or m["policy/entropy"]
         state["first_distinct2"] = state["first_distinct2"] or m["response/distinct2"]
+        state["first_value_loss"] = state["first_value_loss"] or m["val/loss"]
         ema = m["val/loss"] if state["value_loss_ema"] is None else 0.9 * state["value_loss_ema"] + 0.1 * m["val/loss"]
-        state["value_loss_ema"], state["value_loss_best"] = ema, min(ema, state["value_loss_best"] or ema)
+        state["value_loss_ema"] = ema
         firing = {
             "kl_explosion": m["objective/kl"] > args.alarm_kl,
             "clip_fraction": m["policy/clipfrac"] > args.alarm_clipfrac,
             "entropy_collapse": m["policy/entropy"] < args.alarm_collapse * state["first_entropy"],
-            "value_divergence": iteration > 10 and ema > 2 * state["value_loss_best"],
+            "value_divergence": iteration > 10 and ema > state["first_value_loss"],  # rising, not falling
             "diversity_collapse": m["response/distinct2"] < args.alarm_collapse * state["first_distinct2"],
         }
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
