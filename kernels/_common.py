@@ -38,3 +38,23 @@ def prepare_tokens_mask(tokens: torch.Tensor, mask, B: int, S: int):
         mask = mask.to(device=tokens.device).reshape(B, S) != 0
         tokens = torch.where(mask, tokens, torch.zeros((), dtype=torch.long, device=tokens.device))
     return tokens, mask
+
+
+def save_and_return(ctx, logits, tok, msk, lse, ent, logp, cfg):
+    """The end of both forwards: keep what the backward reads, return logp (and entropy) shaped like the
+    tokens. ``cfg`` is (1/T, want_entropy, inplace_backward, tuning knob)."""
+    ctx.save_for_backward(logits, tok, msk, lse, ent, logp)
+    ctx.cfg = cfg
+    ctx.set_materialize_grads(False)
+    shape = logits.shape[:-1]
+    if cfg[1]:
+        return logp.view(shape), ent.view(shape)
+    return logp.view(shape)
+
+
+def incoming_grads(ctx, grads):
+    """The start of both backwards: (saved tensors, cfg, g_logp, g_entropy); a None gradient means that
+    output did not reach the loss."""
+    g_lp = grads[0]
+    g_h = grads[1] if ctx.cfg[1] else None
+    return ctx.saved_tensors, ctx.cfg, g_lp, g_h

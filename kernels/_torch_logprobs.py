@@ -17,6 +17,8 @@ that 1 - p_y keeps its precision when p_y is close to 1.
 """
 import torch
 
+from ._common import incoming_grads, prepare_tokens_mask, rows_view, save_and_return
+
 # Budget for the two fp32 scratch buffers of one chunk (so peak extra memory is ~CHUNK_BYTES beyond the
 # outputs and, in the backward, the gradient). On a 2-core CPU, 32-128 MB ran as fast as or faster than the
 # unchunked naive version, while 2-8 MB chunks were 3-4x slower (per-op overhead); see bench/logprobs.md.
@@ -91,8 +93,6 @@ def _backward_chunk(xc, yc, lse, ent, logp, g_lp, g_h, scale, inv_t, A, B_, out)
 class TorchTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, mask, temperature, want_entropy, inplace_backward, chunk_rows):
-        from ._common import prepare_tokens_mask, rows_view
-
         x3, copied = rows_view(logits)
         Bn, Sn, V = x3.shape
         tok, msk = prepare_tokens_mask(tokens, mask, Bn, Sn)
@@ -122,22 +122,11 @@ class TorchTokenLogprobs(torch.autograd.Function):
                 if want_entropy:
                     ent = torch.where(msk, ent, zero)
         del A, B_
-        ctx.save_for_backward(logits, tok, msk, lse, ent, logp)
-        ctx.cfg = (inv_t, want_entropy, inplace_backward, chunk_rows)
-        ctx.set_materialize_grads(False)
-        shape = logits.shape[:-1]
-        if want_entropy:
-            return logp.view(shape), ent.view(shape)
-        return logp.view(shape)
+        return save_and_return(ctx, logits, tok, msk, lse, ent, logp, (inv_t, want_entropy, inplace_backward, chunk_rows))
 
     @staticmethod
     def backward(ctx, *grads):
-        from ._common import rows_view
-
-        logits, tok, msk, lse, ent, logp = ctx.saved_tensors
-        inv_t, want_entropy, inplace, chunk_rows = ctx.cfg
-        g_lp = grads[0]
-        g_h = grads[1] if want_entropy else None
+        (logits, tok, msk, lse, ent, logp), (inv_t, want_entropy, inplace, chunk_rows), g_lp, g_h = incoming_grads(ctx, grads)
         if g_lp is None and g_h is None:
             return (None,) * 7
         x3, copied = rows_view(logits)

@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import incoming_grads, prepare_tokens_mask, rows_view, save_and_return
+
 
 @triton.jit
 def _fwd_kernel(
@@ -152,8 +154,6 @@ def _block_and_warps(V: int, block=None):
 class TritonTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, mask, temperature, want_entropy, inplace_backward, block):
-        from ._common import prepare_tokens_mask, rows_view
-
         x3, copied = rows_view(logits)
         Bn, Sn, V = x3.shape
         N = Bn * Sn
@@ -172,22 +172,11 @@ class TritonTokenLogprobs(torch.autograd.Function):
                 Sn, x3.stride(0), x3.stride(1), V, inv_t,
                 HAS_MASK=msk_i is not None, WANT_ENT=want_entropy, BLOCK=BLOCK, num_warps=warps,
             )
-        ctx.save_for_backward(logits, tok, msk_i, lse, ent, logp)
-        ctx.cfg = (inv_t, want_entropy, inplace_backward, block)
-        ctx.set_materialize_grads(False)
-        shape = logits.shape[:-1]
-        if want_entropy:
-            return logp.view(shape), ent.view(shape)
-        return logp.view(shape)
+        return save_and_return(ctx, logits, tok, msk_i, lse, ent, logp, (inv_t, want_entropy, inplace_backward, block))
 
     @staticmethod
     def backward(ctx, *grads):
-        from ._common import rows_view
-
-        logits, tok, msk_i, lse, ent, logp = ctx.saved_tensors
-        inv_t, want_entropy, inplace, block = ctx.cfg
-        g_lp = grads[0]
-        g_h = grads[1] if want_entropy else None
+        (logits, tok, msk_i, lse, ent, logp), (inv_t, want_entropy, inplace, block), g_lp, g_h = incoming_grads(ctx, grads)
         if g_lp is None and g_h is None:
             return (None,) * 7
         x3, copied = rows_view(logits)

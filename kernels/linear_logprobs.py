@@ -8,6 +8,7 @@ dtype, as the unfused lm_head would), then the same per-chunk forward / backward
 import torch
 
 from . import _torch_logprobs as _tl
+from ._common import prepare_tokens_mask
 
 
 def _rows(V, chunk_rows):
@@ -19,8 +20,6 @@ def _rows(V, chunk_rows):
 class LinearTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, mask, temperature, want_entropy, chunk_rows):
-        from ._common import prepare_tokens_mask
-
         H = hidden.shape[-1]
         V = weight.shape[0]
         h2 = hidden.reshape(-1, H)
