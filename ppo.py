@@ -632,9 +632,11 @@ def main(args):
             if args.track:
                 wandb.log(m, step=state["episodes"])
             if iteration % args.log_samples_every == 0 or iteration == 1:
-                prompt_texts = tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True)
-                for p, r, s in zip(prompt_texts, texts[:3], raw_score[:3].tolist()):
+                samples = list(zip(tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True), texts[:3], raw_score[:3].tolist()))
+                for p, r, s in samples:
                     print(f"    {s:+.2f} | {p!r} -> {r!r}")
+                if args.track:
+                    wandb.log({"samples": wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])}, step=state["episodes"])
         alarms_on = {name for name, on in firing.items() if on}
 
     # --- 9. save the final policy where from_pretrained can load it ---
