@@ -101,7 +101,7 @@ class Args:
     micro_batch_size: int = 16
     """sequences per forward/backward in one process (gradient accumulation makes up the minibatch)"""
     num_epochs: int = 4
-    """passes over each rollout (the seed's 1-4)"""
+    """passes over each rollout (typically 1 to 4; more and the data goes stale)"""
 
     # optimisation
     learning_rate: float = 1e-4
@@ -193,7 +193,7 @@ def masked_whiten(x, mask, eps=1e-8):
 
 
 def per_token_rewards(scores, logprobs_old, logprobs_ref, response_mask, kl_coef):
-    """The seed's r-tilde: r_t = -beta * (log pi_old - log pi_ref) on every token, plus the score on the last.
+    """The KL-shaped reward of Ziegler et al. (2019): r_t = -beta * (log pi_old - log pi_ref) on every token, plus the score on the last.
 
     scores (B,), logprobs_* and response_mask (B, T) with mask a prefix of ones. Returns rewards (B, T)
     and the per-token KL estimate (B, T)."""
@@ -222,7 +222,7 @@ def gae_advantages(rewards, values, response_mask, gamma, lam):
 
 
 def policy_loss(logprobs, logprobs_old, advantages, clip_range):
-    """Per-token clipped surrogate, negated to be minimised (the seed's L^CLIP):
+    """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7):
     -min(rho A, clip(rho, 1-eps, 1+eps) A) with rho = exp(logp - logp_old). The min switches the gradient
     off once a token has moved eps in the direction its advantage wants, never when it moved the other way.
     Returns the loss (B, T), the ratio and whether each token was clipped."""
@@ -233,7 +233,7 @@ def policy_loss(logprobs, logprobs_old, advantages, clip_range):
 
 
 def value_loss(values, values_old, returns, clip_range):
-    """Per-token value loss with the prediction clipped around the rollout's value (the seed's fix for
+    """Per-token value loss with the prediction clipped around the rollout's value (the usual fix for
     value divergence): max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). Returns the loss (B, T)
     and whether the clipped term was the larger."""
     values_clipped = values_old + torch.clamp(values - values_old, -clip_range, clip_range)
@@ -256,6 +256,13 @@ def update_moments(mean, var, count, batch_mean, batch_var, batch_count):
     new_mean = mean + delta * batch_count / total
     m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
     return new_mean, m2 / total, total
+
+
+def combine_scores(rm_scores, rule_scores=None):
+    """The score of each response: the minimum over reward models (a response must fool all of them to be
+    over-rewarded: the ensemble fix for reward exploitation), plus the rule reward when there is one."""
+    score = torch.stack(rm_scores).min(0).values if rm_scores else torch.zeros_like(rule_scores)
+    return score + rule_scores if rule_scores is not None else score
 
 
 def distinct_n(sequences, n):
@@ -496,11 +503,10 @@ def main(args):
             # --- 3. score the full responses; the reward model reads the EOS position ---
             last = P + response_mask.sum(1) - 1  # (B,) index of the final response token
             rows = torch.arange(local_batch, device=device)
-            scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]
-            score = torch.stack(scores).min(0).values if scores else torch.zeros(local_batch, device=device)  # (B,)
+            rm_scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]  # K x (B,)
             texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            if reward_fn:
-                score = score + torch.tensor(reward_fn(texts, [answers[i] for i in idx]), device=device)
+            rule_scores = torch.tensor(reward_fn(texts, [answers[i] for i in idx]), device=device) if reward_fn else None
+            score = combine_scores(rm_scores, rule_scores)  # (B,)
             raw_score = score.clone()
             ones = torch.ones_like(score)
             if args.normalize_reward:  # running moments over every score seen, on every process
@@ -548,7 +554,7 @@ def main(args):
                             sums[key] += (x * mask).sum().item()
                         counts["tokens"] += mask.sum().item()
                         ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
-                        if first_ratio_dev is None:  # 0 unless logprobs_old went stale: the seed's sanity check
+                        if first_ratio_dev is None:  # ~0 unless logprobs_old went stale: a free sanity check
                             first_ratio_dev = ((ratio - 1).abs() * mask).max().item()
                 for model, optimizer in ((policy, policy_optimizer), (value_model, value_optimizer)):
                     if args.world_size > 1:  # each process summed its share of the global token mean
@@ -604,7 +610,7 @@ def main(args):
         if args.adaptive_kl:
             state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], m["objective/kl"], args.kl_target, args.kl_horizon, args.rollout_batch_size)
 
-        # --- 8. alarms: the seed's failure-mode signatures ---
+        # --- 8. alarms: the signatures of PPO-RLHF's four classic failure modes ---
         state["first_entropy"] = state["first_entropy"] or m["policy/entropy"]
         state["first_distinct2"] = state["first_distinct2"] or m["response/distinct2"]
         state["first_value_loss"] = state["first_value_loss"] or m["val/loss"]

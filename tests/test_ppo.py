@@ -1,4 +1,4 @@
-"""ppo.py against independent references: plain loops, hand computations and the seed document's worked examples."""
+"""ppo.py against independent references: plain loops, hand computations and the specification's worked examples (the four-case clipping table, the KL example)."""
 import json
 import math
 import os
@@ -78,7 +78,7 @@ def test_whitening_is_masked_and_per_batch():
     torch.testing.assert_close(white2, white, rtol=1e-6, atol=1e-6)
 
 
-# ---------------------------------------------------------------- the seed's four-case clipping table
+# ---------------------------------------------------------------- the four-case clipping table of the specification
 
 
 @pytest.mark.parametrize(
@@ -115,7 +115,7 @@ def test_value_loss_clipped_by_hand():
     assert values.grad.tolist() == pytest.approx([0.0, 2 * (0.1 - 1), 0.0])
 
 
-# ---------------------------------------------------------------- the seed's KL worked example
+# ---------------------------------------------------------------- the specification's KL worked example
 
 
 def net_objective(score, n_tokens, mean_log_ratio, beta):
@@ -171,6 +171,13 @@ def test_distinct_n_by_hand():
     assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 1) == 4 / 6
     assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4
     assert ppo.distinct_n([[5, 5, 5, 5]], 2) == 1 / 3
+
+
+def test_scores_take_the_minimum_over_reward_models():
+    rm_a, rm_b = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.0, 3.0, 0.5])
+    assert ppo.combine_scores([rm_a, rm_b]).tolist() == [0.0, -2.0, 0.5]
+    assert ppo.combine_scores([rm_a, rm_b], torch.tensor([1.0, 0.0, 1.0])).tolist() == [1.0, -2.0, 1.5]
+    assert ppo.combine_scores([], torch.tensor([1.0, 0.0])).tolist() == [1.0, 0.0]
 
 
 def test_arithmetic_reward():
