@@ -433,6 +433,22 @@ def validate(args):
     check_model_path(args.value_model_path, "any", "--value_model_path")
 
 
+def failure_alarms(m, state, args):
+    """Which failure signatures show in this iteration's metrics m. Collapse is measured against the run's
+    first values and value divergence against a moving average, both kept in state (updated here)."""
+    for key, metric in (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"), ("first_value_loss", "val/loss")):
+        state[key] = m[metric] if state[key] is None else state[key]
+    ema = m["val/loss"] if state["value_loss_ema"] is None else 0.9 * state["value_loss_ema"] + 0.1 * m["val/loss"]
+    state["value_loss_ema"] = ema
+    return {
+        "kl_explosion": m["objective/kl"] > args.alarm_kl,
+        "clip_fraction": m["policy/clipfrac"] > args.alarm_clipfrac,
+        "entropy_collapse": m["policy/entropy"] < args.alarm_collapse * state["first_entropy"],
+        "value_divergence": m["iteration"] > 10 and ema > state["first_value_loss"],  # rising, not falling
+        "diversity_collapse": m["response/distinct2"] < args.alarm_collapse * state["first_distinct2"],
+    }
+
+
 ALARMS = {
     "kl_explosion": "KL to the reference is past --alarm_kl: raise beta (--kl_coef, --kl_target), lower the learning rate.",
     "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or --num_epochs.",
@@ -611,18 +627,7 @@ def main(args):
             state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], m["objective/kl"], args.kl_target, args.kl_horizon, args.rollout_batch_size)
 
         # --- 8. alarms: the signatures of PPO-RLHF's four classic failure modes ---
-        state["first_entropy"] = state["first_entropy"] or m["policy/entropy"]
-        state["first_distinct2"] = state["first_distinct2"] or m["response/distinct2"]
-        state["first_value_loss"] = state["first_value_loss"] or m["val/loss"]
-        ema = m["val/loss"] if state["value_loss_ema"] is None else 0.9 * state["value_loss_ema"] + 0.1 * m["val/loss"]
-        state["value_loss_ema"] = ema
-        firing = {
-            "kl_explosion": m["objective/kl"] > args.alarm_kl,
-            "clip_fraction": m["policy/clipfrac"] > args.alarm_clipfrac,
-            "entropy_collapse": m["policy/entropy"] < args.alarm_collapse * state["first_entropy"],
-            "value_divergence": iteration > 10 and ema > state["first_value_loss"],  # rising, not falling
-            "diversity_collapse": m["response/distinct2"] < args.alarm_collapse * state["first_distinct2"],
-        }
+        firing = failure_alarms(m, state, args)
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
 
         if is_main:

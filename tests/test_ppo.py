@@ -167,6 +167,21 @@ def test_running_moments_match_whole_stream():
         assert (mean, var, count) == pytest.approx((seen.mean().item(), seen.var(unbiased=False).item(), len(seen)), rel=1e-10)
 
 
+def test_failure_alarms_fire_on_their_signatures():
+    state = dict(first_entropy=None, first_distinct2=None, first_value_loss=None, value_loss_ema=None)
+    args = ppo.Args()
+    healthy = {"iteration": 1, "objective/kl": 3.0, "policy/clipfrac": 0.05, "policy/entropy": 1.8, "response/distinct2": 0.5, "val/loss": 1.0}
+    assert not any(ppo.failure_alarms(healthy, state, args).values())
+    for i in range(2, 12):  # a falling value loss is healthy
+        assert not any(ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 0.5}, state, args).values())
+    sick = {"iteration": 12, "objective/kl": 25.0, "policy/clipfrac": 0.4, "policy/entropy": 0.8, "response/distinct2": 0.2, "val/loss": 0.5}
+    assert ppo.failure_alarms(sick, state, args) == {"kl_explosion": True, "clip_fraction": True, "entropy_collapse": True,
+                                                     "value_divergence": False, "diversity_collapse": True}
+    for i in range(13, 40):  # a value loss that climbs past where it started
+        fired = ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 3.0}, state, args)
+    assert fired["value_divergence"] and not fired["kl_explosion"]
+
+
 def test_distinct_n_by_hand():
     assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 1) == 4 / 6
     assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4
