@@ -333,7 +333,7 @@ def run_script(tmp_path, *extra):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    return out, result.stdout
+    return out, result.stdout + result.stderr
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
@@ -361,3 +361,22 @@ def test_smoke_run_with_rule_reward(tmp_path):
     assert all(0.0 <= r["objective/score"] <= 1.0 for r in rows)  # an exact-match reward, no reward model
     args = json.loads((out / "args.json").read_text())
     assert args["value_model_path"] == "assets/tiny-sft"  # the critic starts from the policy when there is no reward model
+
+
+def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    policy_dir = tmp_path / "policy"
+    shutil.copytree(os.path.join(ROOT, "assets", "tiny-sft"), policy_dir)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(policy_dir)
+    assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None
+    out, output = run_script(tmp_path, "--model_name_or_path", str(policy_dir))
+    assert "no pad token; using EOS as pad" in output
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # With pad == EOS the mask, not the token id, ends a response: lengths stay within bounds and the
+    # sampled log-probs still agree with the training forward pass.
+    assert all(1 <= r["response/length"] <= 8 and r["policy/first_ratio_dev"] < 1e-4 for r in rows)
