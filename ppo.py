@@ -149,9 +149,9 @@ class Args:
 
     # filled in at runtime
     world_size: int = 1
-    """(runtime) number of processes"""
+    """(computed at runtime from WORLD_SIZE; setting it has no effect) number of processes"""
     num_iterations: int = 0
-    """(runtime) total_episodes // rollout_batch_size"""
+    """(computed at runtime; setting it has no effect) total_episodes // rollout_batch_size"""
 
 
 # ----------------------------------------------------------------------------------------------------
