@@ -42,7 +42,7 @@ import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
-from kernels import token_logprobs
+from rlhf_kernels import token_logprobs
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Benchmark kernels.token_logprobs against the naive fp32 log_softmax and TRL / Liger-Kernel.
+"""Benchmark rlhf_kernels.token_logprobs against the naive fp32 log_softmax and TRL / Liger-Kernel.
 
 Every (method, shape, dtype, temperature, mode) cell runs in a fresh subprocess so that peak memory is
 measured cleanly: on CPU as ru_maxrss minus the baseline taken after the inputs are allocated, on CUDA
@@ -30,12 +30,12 @@ def _method(name, device):
 
     if name == "kernels":
         sys.path.insert(0, ROOT)
-        from kernels import token_logprobs
+        from rlhf_kernels import token_logprobs
 
         return lambda x, y, T: token_logprobs(x, y, T, return_entropy=True)
     if name == "kernels-inplace":  # fwd+bwd only: the gradient overwrites the logits buffer
         sys.path.insert(0, ROOT)
-        from kernels import token_logprobs
+        from rlhf_kernels import token_logprobs
 
         return lambda x, y, T: token_logprobs(x, y, T, return_entropy=True, inplace_backward=True)
     if name == "naive":

@@ -1,4 +1,4 @@
-"""kernels.token_logprobs against an fp64 torch reference, on the torch path and on the Triton path
+"""rlhf_kernels.token_logprobs against an fp64 torch reference, on the torch path and on the Triton path
 (under TRITON_INTERPRET=1 on CPU, set by conftest.py). Shapes are kept small: the interpreter is slow."""
 import importlib.util
 import warnings
@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from kernels import token_logprobs
+from rlhf_kernels import token_logprobs
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 BACKENDS = [
@@ -84,7 +84,7 @@ def test_matches_reference(backend, dtype, V, temperature):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 @pytest.mark.parametrize("block", [256, None])
 def test_triton_multiple_blocks(block):
-    from kernels._triton_logprobs import TritonTokenLogprobs
+    from rlhf_kernels._triton_logprobs import TritonTokenLogprobs
 
     # block=256: V=1000 spans 4 blocks, the last one partial; default block (4096) with V just above it
     V, N = (1000, 16) if block else (4100, 3)
@@ -220,7 +220,7 @@ def test_partial_outputs(backend):
 
 
 def test_torch_chunking_is_exact():
-    from kernels._torch_logprobs import TorchTokenLogprobs
+    from rlhf_kernels._torch_logprobs import TorchTokenLogprobs
 
     x0 = rand_logits((3, 7, 333), torch.bfloat16, seed=14)
     tok = rand_tokens((3, 7), 333)
@@ -237,7 +237,7 @@ def test_torch_chunking_is_exact():
 
 
 def test_auto_picks_torch_on_cpu(monkeypatch):
-    from kernels import _torch_logprobs
+    from rlhf_kernels import _torch_logprobs
 
     calls = []
     orig = _torch_logprobs.TorchTokenLogprobs.apply
@@ -259,7 +259,7 @@ def test_bad_arguments():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_rows", [None, 4])
 def test_linear_token_logprobs_matches_unfused(dtype, chunk_rows):
-    from kernels.linear_logprobs import LinearTokenLogprobs
+    from rlhf_kernels.linear_logprobs import LinearTokenLogprobs
 
     g = torch.Generator().manual_seed(20)
     B, L, Hd, V = 2, 7, 32, 300

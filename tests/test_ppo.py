@@ -234,7 +234,7 @@ def test_sampled_logprobs_equal_teacher_forced():
 
 
 def test_response_logprobs_equal_plain_torch():
-    """The scripts' log-probs, through kernels/, equal log_softmax + gather on the same forward."""
+    """The scripts' log-probs, through rlhf_kernels/, equal log_softmax + gather on the same forward."""
     torch.manual_seed(0)
     policy = LlamaForCausalLM(tiny_config()).eval()
     input_ids, attention_mask = left_padded_prompts([4, 9, 6], 40, seed=2)

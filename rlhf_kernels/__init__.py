@@ -2,7 +2,7 @@
 
 Public surface::
 
-    from kernels import token_logprobs
+    from rlhf_kernels import token_logprobs
     logp = token_logprobs(logits, tokens)                                    # (...,) fp32
     logp, ent = token_logprobs(logits, tokens, temperature=0.7, return_entropy=True, mask=mask)
 

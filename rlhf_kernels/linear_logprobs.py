@@ -2,7 +2,7 @@
 
 Rows of ``hidden`` are processed in chunks: logits_chunk = hidden_chunk @ weight.T (in the hidden
 dtype, as the unfused lm_head would), then the same per-chunk forward / backward as
-``kernels._torch_logprobs``. The backward recomputes each logits chunk, turns it into dL/dlogits
+``rlhf_kernels._torch_logprobs``. The backward recomputes each logits chunk, turns it into dL/dlogits
 (in the logits dtype) and accumulates dL/dhidden = g @ W and dL/dW += g.T @ h (fp32 accumulator).
 """
 import torch
