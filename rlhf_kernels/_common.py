@@ -30,6 +30,32 @@ def rows_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
         return x.reshape(-1, x.shape[-2], V), True
 
 
+def check_token_range(tokens: torch.Tensor, mask, V: int) -> None:
+    """Raise ValueError if an unmasked token id lies outside ``[0, V)``.
+
+    Neither path bounds-checks the gather of the target logit (the Triton kernel would read another row, or
+    outside the buffer), so the ids are checked here, before either runs: one min/max reduction over the
+    unmasked ids, then one host read of the two results. On CUDA that read (``.tolist()``, like ``.item()``)
+    synchronises with the stream once per call: the host waits for the queued work (e.g. the lm_head matmul)
+    before launching the kernel, and the call cannot be captured in a CUDA graph. The slower search for the
+    offending position runs only when raising.
+    """
+    if tokens.numel() == 0:
+        return
+    ids = tokens if mask is None else torch.where(mask != 0, tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
+    lo, hi = torch.aminmax(ids)
+    lo, hi = torch.stack([lo, hi]).tolist()  # one device -> host sync on CUDA (see above)
+    if 0 <= lo and hi < V:
+        return
+    bad = lo if lo < 0 else hi
+    pos = tuple((ids == bad).nonzero()[0].tolist())
+    raise ValueError(
+        f"tokens hold id {bad} at unmasked position {pos}, outside the vocabulary [0, {V}) of the logits' last dim: "
+        f"fix the ids, or pass mask with 0 at positions that hold padding or ignore ids such as -100 "
+        f"(masked positions may hold any id)."
+    )
+
+
 def prepare_tokens_mask(tokens: torch.Tensor, mask, B: int, S: int):
     """Tokens as int64 ``(B, S)`` with masked positions set to 0 (so any id, e.g. -100, is safe to gather);
     mask as bool ``(B, S)`` or None."""

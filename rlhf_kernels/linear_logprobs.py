@@ -8,7 +8,7 @@ dtype, as the unfused lm_head would), then the same per-chunk forward / backward
 import torch
 
 from . import _torch_logprobs as _tl
-from ._common import prepare_tokens_mask
+from ._common import check_token_range, prepare_tokens_mask
 
 
 def _rows(V, chunk_rows):
@@ -114,4 +114,6 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, return_entrop
         raise ValueError("tokens must have shape hidden.shape[:-1]")
     if not float(temperature) > 0:
         raise ValueError("temperature must be > 0")
-    return LinearTokenLogprobs.apply(hidden, weight, tokens.to(hidden.device), mask, float(temperature), bool(return_entropy), None)
+    tokens = tokens.to(hidden.device)
+    check_token_range(tokens, None if mask is None else mask.to(hidden.device), weight.shape[0])
+    return LinearTokenLogprobs.apply(hidden, weight, tokens, mask, float(temperature), bool(return_entropy), None)

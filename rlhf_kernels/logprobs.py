@@ -3,6 +3,8 @@ import os
 
 import torch
 
+from ._common import check_token_range
+
 _TRITON_OK = None
 
 
@@ -33,7 +35,8 @@ def token_logprobs(
     Args:
         logits: ``(..., V)`` bf16 / fp16 / fp32; only the last dim needs to be contiguous
             (``logits[:, :-1]`` is used as is).
-        tokens: ``(...)`` integer token ids.
+        tokens: ``(...)`` integer token ids in ``[0, V)`` at unmasked positions (else ValueError; checked with
+            one reduction, which on CUDA synchronises once per call).
         temperature: positive float; the logits are divided by it before the softmax.
         return_entropy: also return the entropy of ``softmax(logits / temperature)`` per position.
         mask: optional ``(...)`` bool / 0-1; masked-out positions give logp 0, entropy 0 and zero
@@ -62,6 +65,8 @@ def token_logprobs(
     tokens = tokens.to(device=logits.device)
     if mask is not None:
         mask = mask.to(device=logits.device)
+    # both backends gather the target logit unchecked: refuse ids outside [0, V) here (syncs once on CUDA)
+    check_token_range(tokens, mask, logits.shape[-1])
 
     if backend == "auto":
         backend = "triton" if (logits.is_cuda and _triton_available()) else "torch"
