@@ -29,6 +29,7 @@ Commands:
 import json
 import os
 import random
+import tempfile
 import time
 import warnings
 from collections import defaultdict
@@ -70,6 +71,8 @@ class Args:
     """where the critic is initialised from; default: the first reward model, else the policy"""
     model_dtype: str = "float32"
     """dtype of the models' weights: float32, bfloat16 or float16"""
+    hub_kernels: bool = False
+    """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
 
     # data
     dataset: str = "assets/reviews/train.jsonl"
@@ -349,41 +352,76 @@ def check_model_path(path, kind, what):
         raise SystemExit(f"{what} '{path}' has {config.num_labels} labels; a reward model needs exactly one (num_labels=1).")
 
 
+def load_model(model_class, path, args, device, trained, **kwargs):
+    """from_pretrained with every choice explicit. Transformers' hub kernels (on by default since 5.25: a
+    download at load time and different numerics) stay off unless --hub_kernels; they are applied once the
+    model sits on its device, since at load time it is on the CPU, where nothing is replaced."""
+    model = model_class.from_pretrained(path, dtype=getattr(torch, args.model_dtype), use_kernels=False, **kwargs).to(device).eval()
+    if args.hub_kernels:
+        from kernels import Mode
+
+        model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
+    return model.requires_grad_(trained)
+
+
 def build_models(args, tokenizer, device):
     """Load the policy, its frozen reference, the reward models and the critic; every model in eval mode
     (no dropout), the frozen ones without gradients."""
-    dtype = getattr(torch, args.model_dtype)
-    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval()
-    ref_policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype).to(device).eval().requires_grad_(False)
-    reward_models = [
-        AutoModelForSequenceClassification.from_pretrained(p, dtype=dtype, num_labels=1).to(device).eval().requires_grad_(False)
-        for p in args.reward_model_path
-    ]
-    value_model = AutoModelForSequenceClassification.from_pretrained(args.value_model_path, dtype=dtype, num_labels=1).to(device).eval()
+    policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
+    ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+    reward_models = [load_model(AutoModelForSequenceClassification, p, args, device, trained=False, num_labels=1) for p in args.reward_model_path]
+    value_model = load_model(AutoModelForSequenceClassification, args.value_model_path, args, device, trained=True, num_labels=1)
     for m in reward_models + [value_model]:
         m.config.pad_token_id = tokenizer.pad_token_id
     return policy, ref_policy, reward_models, value_model
 
 
+def read_rows(args):
+    """The dataset as a list of dicts. A local .jsonl (or .json) file is read line by line, so that a bad
+    line is named; anything else is a hub dataset."""
+    if not args.dataset.endswith((".json", ".jsonl")):
+        from datasets import load_dataset
+
+        try:
+            return list(load_dataset(args.dataset, split=args.dataset_split))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"hub dataset '{args.dataset}' (split '{args.dataset_split}') could not be loaded ({type(e).__name__}); check its name and the network "
+                             "(HF_HUB_OFFLINE=1 forbids downloads), or pass --dataset with a local .jsonl file.")
+    if not os.path.isfile(args.dataset):
+        raise SystemExit(f"dataset file '{args.dataset}' does not exist; pass --dataset with a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
+    with open(args.dataset) as f:
+        text = f.read()
+    if args.dataset.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"'{args.dataset}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file or write it as JSON lines.")
+    rows = []
+    for line_number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"line {line_number} of '{args.dataset}' is not valid JSON ({e.msg}); fix or remove that line.")
+    return rows
+
+
 def load_prompts(args, tokenizer):
     """Tokenise every prompt once, checking the dataset and the prompt lengths before any model loads."""
-    from datasets import load_dataset
-
-    if args.dataset.endswith((".json", ".jsonl")):
-        if not os.path.isfile(args.dataset):
-            raise SystemExit(f"dataset file '{args.dataset}' does not exist; pass --dataset with a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
-        if not open(args.dataset).read(4096).strip():
-            raise SystemExit(f"dataset '{args.dataset}' is empty; pass a dataset with at least one prompt.")
-        data = load_dataset("json", data_files=args.dataset, split="train")
-    else:
-        data = load_dataset(args.dataset, split=args.dataset_split)
-    if len(data) == 0:
+    rows = read_rows(args)
+    if len(rows) == 0:
         raise SystemExit(f"dataset '{args.dataset}' is empty; pass a dataset with at least one prompt.")
-    if args.prompt_field not in data.column_names:
-        raise SystemExit(f"dataset '{args.dataset}' has no '{args.prompt_field}' column (it has {data.column_names}); pass --prompt_field with the column holding the prompts.")
-    if args.reward_fn and args.answer_field not in data.column_names:
-        raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but '{args.dataset}' has no '{args.answer_field}' (it has {data.column_names}); pass --answer_field.")
-    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data[args.prompt_field]]
+    needed = [args.prompt_field] + ([args.answer_field] if args.reward_fn else [])
+    for n, row in enumerate(rows, 1):
+        missing = [k for k in needed if not isinstance(row, dict) or k not in row]
+        if missing == [args.answer_field]:
+            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{args.dataset}' has no '{args.answer_field}' (it has {list(row)}); pass --answer_field.")
+        if missing:
+            raise SystemExit(f"dataset '{args.dataset}' has no '{args.prompt_field}' column in row {n} (it has {list(row) if isinstance(row, dict) else type(row).__name__}); "
+                             "pass --prompt_field with the column holding the prompts.")
+        if not isinstance(row[args.prompt_field], str):
+            raise SystemExit(f"row {n} of '{args.dataset}' has a {type(row[args.prompt_field]).__name__} as its prompt; prompts must be text.")
+    prompts = [tokenizer(row[args.prompt_field], add_special_tokens=False)["input_ids"] for row in rows]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
         longest = max(len(prompts[i]) for i in too_long)
@@ -393,7 +431,7 @@ def load_prompts(args, tokenizer):
         prompts = [p[-args.max_prompt_length :] for p in prompts]
     if any(len(p) == 0 for p in prompts):
         raise SystemExit(f"dataset '{args.dataset}' has empty prompts; remove them (a response needs a prompt to follow).")
-    answers = data[args.answer_field] if args.reward_fn else [None] * len(prompts)
+    answers = [row[args.answer_field] for row in rows] if args.reward_fn else [None] * len(prompts)
     return prompts, answers
 
 
@@ -408,7 +446,25 @@ def left_pad(sequences, pad_token_id, device):
 
 
 def validate(args):
-    """Everything that can be checked before a model loads."""
+    """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
+    for name in ("total_episodes", "rollout_batch_size", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length", "log_samples_every"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
+    for name in ("learning_rate", "max_grad_norm", "clip_range"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
+    for name in ("kl_coef", "ent_coef", "missing_eos_penalty"):
+        if not getattr(args, name) >= 0:
+            raise SystemExit(f"--{name} must be zero or more (got {getattr(args, name)}).")
+    # PPO's own: the critic, GAE and the KL controller
+    for name in ("value_learning_rate", "value_clip_range", "kl_target", "kl_horizon"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
+    if not args.vf_coef >= 0:
+        raise SystemExit(f"--vf_coef must be zero or more (got {args.vf_coef}).")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise SystemExit(f"--{name} must lie in [0, 1] (got {getattr(args, name)}).")
     if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
         raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} and --minibatch_size {args.minibatch_size} must be multiples of the {args.world_size} processes.")
     if args.rollout_batch_size % args.minibatch_size:
@@ -431,6 +487,11 @@ def validate(args):
     if args.value_model_path is None:
         args.value_model_path = args.reward_model_path[0] if args.reward_model_path else args.model_name_or_path
     check_model_path(args.value_model_path, "any", "--value_model_path")
+    try:  # a folder that cannot be written would otherwise fail only when the first metrics are written
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+    except OSError as e:
+        raise SystemExit(f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a folder you can write.")
 
 
 def failure_alarms(m, state, args):

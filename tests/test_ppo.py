@@ -287,11 +287,21 @@ def args_with(**kw):
         (dict(reward_model_path=(), reward_fn=None), "no reward"),
         (dict(reward_fn="nope"), "unknown --reward_fn"),
         (dict(total_episodes=8), "less than one rollout"),
+        (dict(micro_batch_size=0), "--micro_batch_size must be at least 1"),
+        (dict(num_epochs=0), "--num_epochs must be at least 1"),
+        (dict(response_length=0), "--response_length must be at least 1"),
+        (dict(max_grad_norm=-1.0), "--max_grad_norm must be positive"),
+        (dict(clip_range=-0.2), "--clip_range must be positive"),
+        (dict(vf_coef=-0.1), "--vf_coef must be zero or more"),
+        (dict(kl_coef=-0.1), "--kl_coef must be zero or more"),
+        (dict(lam=1.5), r"--lam must lie in \[0, 1\]"),
+        (dict(gamma=-0.1), r"--gamma must lie in \[0, 1\]"),
+        (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
     ],
 )
-def test_bad_arguments_fail_with_one_sentence(kw, message):
+def test_bad_arguments_fail_with_one_sentence(kw, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
-        ppo.validate(args_with(**kw))
+        ppo.validate(args_with(**{"output_dir": str(tmp_path / "run"), **kw}))
 
 
 def test_wrong_model_kinds(tmp_path):
@@ -321,6 +331,15 @@ def test_bad_datasets(tmp_path):
     assert prompts[0] == full[-16:] and prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="needs an answer column"):
         ppo.load_prompts(args_with(dataset=str(tmp_path / "long.jsonl"), reward_fn="arithmetic", max_prompt_length=200), tokenizer)
+    (tmp_path / "broken.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n\n" + '{"prompt": "the plot was"' + "\n")
+    with pytest.raises(SystemExit, match="line 3 of '.*broken.jsonl' is not valid JSON"):
+        ppo.load_prompts(args_with(dataset=str(tmp_path / "broken.jsonl")), tokenizer)
+    (tmp_path / "number.jsonl").write_text(json.dumps({"prompt": 12}) + "\n")
+    with pytest.raises(SystemExit, match="row 1 of .* has a int as its prompt"):
+        ppo.load_prompts(args_with(dataset=str(tmp_path / "number.jsonl")), tokenizer)
+    # HF_HUB_OFFLINE=1 (conftest): a hub dataset cannot be fetched, and the error says so instead of a traceback
+    with pytest.raises(SystemExit, match="hub dataset 'someone/reviews' .* could not be loaded"):
+        ppo.load_prompts(args_with(dataset="someone/reviews"), tokenizer)
 
 
 # ---------------------------------------------------------------- the script, end to end
@@ -331,6 +350,7 @@ def run_script(tmp_path, *extra):
     cmd = [sys.executable, os.path.join(ROOT, "ppo.py"), "--total_episodes", "16", "--rollout_batch_size", "8", "--minibatch_size", "4",
            "--micro_batch_size", "2", "--num_epochs", "2", "--response_length", "8", "--output_dir", str(out), *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env.pop("USE_HUB_KERNELS", None)  # transformers' own default (hub kernels on since 5.25) must not matter
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result.stdout + result.stderr
@@ -356,7 +376,8 @@ def test_smoke_run_on_embedded_default(tmp_path):
 
 
 def test_smoke_run_with_rule_reward(tmp_path):
-    out, _ = run_script(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path")
+    # --hub_kernels too: on a CPU transformers has no hub kernel to swap in, so it must run offline all the same
+    out, _ = run_script(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path", "--hub_kernels")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(0.0 <= r["objective/score"] <= 1.0 for r in rows)  # an exact-match reward, no reward model
     args = json.loads((out / "args.json").read_text())
