@@ -38,7 +38,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import tyro
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.cache_utils import DynamicCache
@@ -48,37 +47,37 @@ from rlhf_kernels import token_logprobs
 
 @dataclass
 class Args:
-    # experiment
+    # the task: what is trained on, how it is scored, where it is written
     exp_name: str = "ppo"
     """name of the run (wandb run name)"""
-    seed: int = 1
-    """random seed (each process adds its rank)"""
     output_dir: str = "runs/ppo"
     """where metrics.jsonl, args.json and the final policy are written"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "rlhf-reference"
-    """wandb project name"""
-
-    # models
-    model_name_or_path: str = "assets/tiny-sft"
-    """the starting policy (a causal LM); the frozen reference is a copy of it"""
+    dataset: str = "assets/reviews/train.jsonl"
+    """training prompts: a local .json/.jsonl file, or a hub dataset name"""
+    eval_dataset: Optional[str] = "assets/reviews/test.jsonl"
+    """held-out prompts scored every --eval_every iterations (same format as --dataset); none to skip"""
     reward_model_path: tuple[str, ...] = ("assets/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: Optional[str] = None
     """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the answer)"""
-    value_model_path: Optional[str] = None
-    """where the critic is initialised from; default: the first reward model, else the policy"""
+
+    # >>> shared: arguments
+    seed: int = 1
+    """random seed (each process adds its rank)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rlhf-reference"
+    """wandb project name"""
+    model_name_or_path: str = "assets/tiny-sft"
+    """the starting policy (a causal LM); the frozen reference is a copy of it"""
     model_dtype: str = "float32"
     """dtype of the models' weights: float32, bfloat16 or float16"""
     hub_kernels: bool = False
     """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
-
-    # data
-    dataset: str = "assets/reviews/train.jsonl"
-    """a local .json/.jsonl file, or a hub dataset name"""
     dataset_split: str = "train"
-    """split of a hub dataset"""
+    """split of a hub --dataset"""
+    eval_split: str = "test"
+    """split of a hub --eval_dataset"""
     prompt_field: str = "prompt"
     """the dataset column holding the prompt text"""
     answer_field: str = "answer"
@@ -87,60 +86,20 @@ class Args:
     """longest prompt in tokens"""
     truncate_prompts: bool = False
     """cut longer prompts to their last max_prompt_length tokens (with a warning) instead of stopping"""
-
-    # generation
     response_length: int = 24
     """most new tokens per response"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training and KL use the same temperature"""
-
-    # batch sizes
-    total_episodes: int = 9600
-    """responses sampled over the whole run"""
-    rollout_batch_size: int = 64
-    """prompts per iteration, over all processes"""
-    minibatch_size: int = 16
-    """sequences per optimiser step, over all processes"""
-    micro_batch_size: int = 16
-    """sequences per forward/backward in one process (gradient accumulation makes up the minibatch)"""
-    num_epochs: int = 4
-    """passes over each rollout (typically 1 to 4; more and the data goes stale)"""
-
-    # optimisation
-    learning_rate: float = 1e-4
-    """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
-    value_learning_rate: float = 1e-4
-    """critic learning rate"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score (after any normalisation) of a response that ends without EOS"""
     max_grad_norm: float = 1.0
-    """gradient-norm clip, per model"""
-    clip_range: float = 0.2
-    """epsilon of the clipped surrogate: ratios are held inside [1-eps, 1+eps]"""
-    value_clip_range: float = 0.2
-    """values may move at most this far from the rollout's values in one rollout"""
-    vf_coef: float = 0.1
-    """weight of the value loss (c1)"""
+    """gradient-norm clip, per trained model"""
     ent_coef: float = 0.0
     """weight of the entropy bonus (c2, 0 to 0.01)"""
-    gamma: float = 1.0
-    """discount; 1.0 because every token serves the one final score"""
-    lam: float = 0.95
-    """GAE lambda"""
-
-    # reward and KL
-    kl_coef: float = 0.1
-    """beta: the per-token KL penalty coefficient (the starting value when adaptive)"""
-    adaptive_kl: bool = True
-    """adapt beta towards kl_target (Ziegler et al. 2019); off keeps beta fixed"""
-    kl_target: float = 3.0
-    """target KL to the reference, summed over a response, in nats"""
-    kl_horizon: int = 2000
-    """episodes over which the adaptive controller may move beta by its full step"""
-    missing_eos_penalty: float = 1.0
-    """subtracted from the (normalised) score of a response that ends without EOS"""
-    normalize_reward: bool = True
-    """normalise scores by the running mean and std of all scores seen so far"""
-
-    # logging and alarms
+    eval_every: int = 10
+    """score the held-out prompts every this many iterations (and before the first and after the last)"""
+    eval_batch_size: int = 100
+    """held-out prompts per generation call"""
     log_samples_every: int = 10
     """print a few prompt / response / score rows every this many iterations"""
     alarm_kl: float = 20.0
@@ -149,6 +108,45 @@ class Args:
     """warn when the clip fraction passes this (steps too large)"""
     alarm_collapse: float = 0.5
     """warn when entropy or distinct-2 falls below this fraction of its first value (mode collapse)"""
+    # <<< shared: arguments
+
+    # PPO: batches, the critic, GAE, the KL penalty in the reward
+    total_episodes: int = 9600
+    """responses sampled over the whole run"""
+    rollout_batch_size: int = 64
+    """prompts (= responses) per iteration, over all processes"""
+    minibatch_size: int = 16
+    """sequences per optimiser step, over all processes"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward in one process (gradient accumulation makes up the minibatch)"""
+    num_epochs: int = 4
+    """passes over each rollout (typically 1 to 4; more and the data goes stale)"""
+    learning_rate: float = 1e-4
+    """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
+    clip_range: float = 0.2
+    """epsilon of the clipped surrogate: ratios are held inside [1-eps, 1+eps]"""
+    value_model_path: Optional[str] = None
+    """where the critic is initialised from; default: the first reward model, else the policy"""
+    value_learning_rate: float = 1e-4
+    """critic learning rate"""
+    value_clip_range: float = 0.2
+    """values may move at most this far from the rollout's values in one rollout"""
+    vf_coef: float = 0.1
+    """weight of the value loss (c1)"""
+    gamma: float = 1.0
+    """discount; 1.0 because every token serves the one final score"""
+    lam: float = 0.95
+    """GAE lambda"""
+    kl_coef: float = 0.1
+    """beta: the per-token KL penalty coefficient (the starting value when adaptive)"""
+    adaptive_kl: bool = True
+    """adapt beta towards kl_target (Ziegler et al. 2019); off keeps beta fixed"""
+    kl_target: float = 3.0
+    """target KL to the reference, summed over a response, in nats"""
+    kl_horizon: int = 2000
+    """episodes over which the adaptive controller may move beta by its full step"""
+    normalize_reward: bool = True
+    """normalise scores by the running mean and std of all scores seen so far"""
 
     # filled in at runtime
     world_size: int = 1
@@ -162,6 +160,7 @@ class Args:
 # ----------------------------------------------------------------------------------------------------
 
 
+# >>> shared: batch statistics
 def masked_sum_count(x, mask):
     """Sum of x over mask and the number of valid entries, summed over all processes when distributed."""
     total = torch.stack([(x * mask).sum(), mask.sum()]).double()
@@ -186,6 +185,7 @@ def masked_var(x, mask):
     """Biased variance of x over valid entries of the whole (global) batch."""
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
+# <<< shared: batch statistics
 
 
 def masked_whiten(x, mask, eps=1e-8):
@@ -251,6 +251,7 @@ def adaptive_kl_coef(kl_coef, kl, kl_target, horizon, n_episodes):
     return kl_coef * (1.0 + error * n_episodes / horizon)
 
 
+# >>> shared: running moments
 def update_moments(mean, var, count, batch_mean, batch_var, batch_count):
     """Merge a batch's mean and (biased) variance into running ones (Chan et al.'s parallel formula),
     so the running statistics equal those of the whole stream seen so far."""
@@ -259,8 +260,10 @@ def update_moments(mean, var, count, batch_mean, batch_var, batch_count):
     new_mean = mean + delta * batch_count / total
     m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
     return new_mean, m2 / total, total
+# <<< shared: running moments
 
 
+# >>> shared: scores
 def combine_scores(rm_scores, rule_scores=None):
     """The score of each response: the minimum over reward models (a response must fool all of them to be
     over-rewarded: the ensemble fix for reward exploitation), plus the rule reward when there is one."""
@@ -280,6 +283,7 @@ def arithmetic_reward(responses, answers):
 
 
 REWARD_FNS = {"arithmetic": arithmetic_reward}
+# <<< shared: scores
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -287,6 +291,7 @@ REWARD_FNS = {"arithmetic": arithmetic_reward}
 # ----------------------------------------------------------------------------------------------------
 
 
+# >>> shared: models and data
 def position_ids_from(attention_mask):
     """Left padding shifts every prompt; positions count real tokens only."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -308,11 +313,12 @@ def head_outputs(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id):
+def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, greedy=False, generator=None):
     """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits
     it was sampled from (logprobs_old). Left-padded prompts; a sequence stops at its first EOS, after
     which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and response_mask (B, T),
-    where the mask covers every token up to and including the EOS."""
+    where the mask covers every token up to and including the EOS. greedy takes the argmax instead
+    (evaluation); generator keeps evaluation's draws out of the training run's random stream."""
     B = prompt_ids.shape[0]
     cache = DynamicCache()
     attention_mask = prompt_mask
@@ -323,7 +329,7 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_t
     tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
         probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-        token = torch.multinomial(probs, 1).squeeze(-1)  # (B,)
+        token = probs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
         logprob = token_logprobs(logits, token, temperature)  # (B,), the same logits, the same temperature
         masks.append(~done)
         tokens.append(torch.where(done, pad_token_id, token))
@@ -335,6 +341,38 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_t
         out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache, use_cache=True)
         logits, next_position = out.logits[:, -1], next_position + 1
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+
+
+@torch.no_grad()
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, answers):
+    """The raw score of each full response (B,): the reward models read the last real token (the EOS), the
+    rule reads the decoded text. Also returns the rule's own scores (or None) and the texts."""
+    last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) index of the final response token
+    rows = torch.arange(len(responses), device=responses.device)
+    rm_scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]  # K x (B,)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    rule_scores = torch.tensor(reward_fn(texts, answers), device=responses.device) if reward_fn else None
+    return combine_scores(rm_scores, rule_scores), rule_scores, texts
+
+
+@torch.no_grad()
+def evaluate(policy, reward_models, reward_fn, tokenizer, prompts, answers, args, rank, device):
+    """Mean raw score on held-out prompts, sampled at the training temperature and greedy (with a rule reward
+    that is the accuracy). The same draws at every evaluation, from a generator of their own."""
+    generator = torch.Generator(device).manual_seed(args.seed)
+    local = list(range(rank, len(prompts), args.world_size))
+    result = {}
+    for name, greedy in (("eval/score", False), ("eval/score_greedy", True)):
+        scores = []
+        for start in range(0, len(local), args.eval_batch_size):
+            idx = local[start : start + args.eval_batch_size]
+            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
+            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
+                                                   tokenizer.eos_token_id, tokenizer.pad_token_id, greedy, generator)
+            input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
+            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx])[0])
+        result[name] = global_mean(torch.cat(scores))
+    return result
 
 
 def check_model_path(path, kind, what):
@@ -364,63 +402,52 @@ def load_model(model_class, path, args, device, trained, **kwargs):
     return model.requires_grad_(trained)
 
 
-def build_models(args, tokenizer, device):
-    """Load the policy, its frozen reference, the reward models and the critic; every model in eval mode
-    (no dropout), the frozen ones without gradients."""
-    policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
-    ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
-    reward_models = [load_model(AutoModelForSequenceClassification, p, args, device, trained=False, num_labels=1) for p in args.reward_model_path]
-    value_model = load_model(AutoModelForSequenceClassification, args.value_model_path, args, device, trained=True, num_labels=1)
-    for m in reward_models + [value_model]:
-        m.config.pad_token_id = tokenizer.pad_token_id
-    return policy, ref_policy, reward_models, value_model
-
-
-def read_rows(args):
+def read_rows(path, split, args):
     """The dataset as a list of dicts. A local .jsonl (or .json) file is read line by line, so that a bad
     line is named; anything else is a hub dataset."""
-    if not args.dataset.endswith((".json", ".jsonl")):
+    if not path.endswith((".json", ".jsonl")):
         from datasets import load_dataset
 
         try:
-            return list(load_dataset(args.dataset, split=args.dataset_split))
+            return list(load_dataset(path, split=split))
         except (OSError, ValueError) as e:
-            raise SystemExit(f"hub dataset '{args.dataset}' (split '{args.dataset_split}') could not be loaded ({type(e).__name__}); check its name and the network "
-                             "(HF_HUB_OFFLINE=1 forbids downloads), or pass --dataset with a local .jsonl file.")
-    if not os.path.isfile(args.dataset):
-        raise SystemExit(f"dataset file '{args.dataset}' does not exist; pass --dataset with a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
-    with open(args.dataset) as f:
+            raise SystemExit(f"hub dataset '{path}' (split '{split}') could not be loaded ({type(e).__name__}); check its name and the network "
+                             "(HF_HUB_OFFLINE=1 forbids downloads), or pass a local .jsonl file instead.")
+    if not os.path.isfile(path):
+        raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
+    with open(path) as f:
         text = f.read()
-    if args.dataset.endswith(".json") and text.lstrip().startswith("["):
+    if path.endswith(".json") and text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"'{args.dataset}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file or write it as JSON lines.")
+            raise SystemExit(f"'{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file or write it as JSON lines.")
     rows = []
     for line_number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise SystemExit(f"line {line_number} of '{args.dataset}' is not valid JSON ({e.msg}); fix or remove that line.")
+                raise SystemExit(f"line {line_number} of '{path}' is not valid JSON ({e.msg}); fix or remove that line.")
     return rows
 
 
-def load_prompts(args, tokenizer):
-    """Tokenise every prompt once, checking the dataset and the prompt lengths before any model loads."""
-    rows = read_rows(args)
+def load_prompts(path, split, args, tokenizer):
+    """Tokenise every prompt of a dataset (--dataset or --eval_dataset) once, checking the rows and the prompt
+    lengths before any model loads. Returns the token lists and the answers (None without a rule reward)."""
+    rows = read_rows(path, split, args)
     if len(rows) == 0:
-        raise SystemExit(f"dataset '{args.dataset}' is empty; pass a dataset with at least one prompt.")
+        raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
     needed = [args.prompt_field] + ([args.answer_field] if args.reward_fn else [])
     for n, row in enumerate(rows, 1):
         missing = [k for k in needed if not isinstance(row, dict) or k not in row]
         if missing == [args.answer_field]:
-            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{args.dataset}' has no '{args.answer_field}' (it has {list(row)}); pass --answer_field.")
+            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{path}' has no '{args.answer_field}' (it has {list(row)}); pass --answer_field.")
         if missing:
-            raise SystemExit(f"dataset '{args.dataset}' has no '{args.prompt_field}' column in row {n} (it has {list(row) if isinstance(row, dict) else type(row).__name__}); "
+            raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has {list(row) if isinstance(row, dict) else type(row).__name__}); "
                              "pass --prompt_field with the column holding the prompts.")
         if not isinstance(row[args.prompt_field], str):
-            raise SystemExit(f"row {n} of '{args.dataset}' has a {type(row[args.prompt_field]).__name__} as its prompt; prompts must be text.")
+            raise SystemExit(f"row {n} of '{path}' has a {type(row[args.prompt_field]).__name__} as its prompt; prompts must be text.")
     prompts = [tokenizer(row[args.prompt_field], add_special_tokens=False)["input_ids"] for row in rows]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
@@ -430,7 +457,7 @@ def load_prompts(args, tokenizer):
         warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens (--truncate_prompts).")
         prompts = [p[-args.max_prompt_length :] for p in prompts]
     if any(len(p) == 0 for p in prompts):
-        raise SystemExit(f"dataset '{args.dataset}' has empty prompts; remove them (a response needs a prompt to follow).")
+        raise SystemExit(f"dataset '{path}' has empty prompts; remove them (a response needs a prompt to follow).")
     answers = [row[args.answer_field] for row in rows] if args.reward_fn else [None] * len(prompts)
     return prompts, answers
 
@@ -443,38 +470,61 @@ def left_pad(sequences, pad_token_id, device):
     for i, s in enumerate(sequences):
         ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
     return ids.to(device), mask.to(device)
+# <<< shared: models and data
+
+
+def build_models(args, tokenizer, device):
+    """Load the policy, its frozen reference, the reward models and the critic; every model in eval mode
+    (no dropout), the frozen ones without gradients."""
+    policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
+    ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+    reward_models = [load_model(AutoModelForSequenceClassification, p, args, device, trained=False, num_labels=1) for p in args.reward_model_path]
+    value_model = load_model(AutoModelForSequenceClassification, args.value_model_path, args, device, trained=True, num_labels=1)
+    for m in reward_models + [value_model]:
+        m.config.pad_token_id = tokenizer.pad_token_id
+    return policy, ref_policy, reward_models, value_model
 
 
 def validate(args):
     """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
-    for name in ("total_episodes", "rollout_batch_size", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length", "log_samples_every"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
-    for name in ("learning_rate", "max_grad_norm", "clip_range"):
+    if args.rollout_batch_size < 1:
+        raise SystemExit(f"--rollout_batch_size must be at least 1 (got {args.rollout_batch_size}).")
+    for name in ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target", "kl_horizon"):
         if not getattr(args, name) > 0:
             raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
-    for name in ("kl_coef", "ent_coef", "missing_eos_penalty"):
+    for name in ("kl_coef", "vf_coef"):
         if not getattr(args, name) >= 0:
             raise SystemExit(f"--{name} must be zero or more (got {getattr(args, name)}).")
-    # PPO's own: the critic, GAE and the KL controller
-    for name in ("value_learning_rate", "value_clip_range", "kl_target", "kl_horizon"):
-        if not getattr(args, name) > 0:
-            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
-    if not args.vf_coef >= 0:
-        raise SystemExit(f"--vf_coef must be zero or more (got {args.vf_coef}).")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             raise SystemExit(f"--{name} must lie in [0, 1] (got {getattr(args, name)}).")
-    if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
-        raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} and --minibatch_size {args.minibatch_size} must be multiples of the {args.world_size} processes.")
-    if args.rollout_batch_size % args.minibatch_size:
-        raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide --rollout_batch_size {args.rollout_batch_size}; pick sizes where it does.")
+    if args.value_model_path is None:
+        args.value_model_path = args.reward_model_path[0] if args.reward_model_path else args.model_name_or_path
+    check_model_path(args.value_model_path, "any", "--value_model_path")
+    check_common_args(args, responses_per_iteration=args.rollout_batch_size)
+
+
+# >>> shared: checks and alarms
+def check_common_args(args, responses_per_iteration):
+    """The checks every script shares; the output folder last, so that nothing is created for a run that cannot start."""
+    for name in ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
+                 "eval_every", "eval_batch_size", "log_samples_every"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
+    for name in ("max_grad_norm", "temperature"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
+    for name in ("ent_coef", "missing_eos_penalty"):
+        if not getattr(args, name) >= 0:
+            raise SystemExit(f"--{name} must be zero or more (got {getattr(args, name)}).")
+    if responses_per_iteration % args.world_size or args.minibatch_size % args.world_size:
+        raise SystemExit(f"the {responses_per_iteration} responses per iteration and --minibatch_size {args.minibatch_size} must be multiples of the {args.world_size} processes.")
+    if responses_per_iteration % args.minibatch_size:
+        raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide the {responses_per_iteration} responses per iteration; pick sizes where it does.")
     if (args.minibatch_size // args.world_size) % args.micro_batch_size:
         raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of {args.minibatch_size // args.world_size}; pick one that does.")
-    if args.total_episodes < args.rollout_batch_size:
-        raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of {args.rollout_batch_size}; raise it.")
-    if args.temperature <= 0:
-        raise SystemExit(f"--temperature must be positive (got {args.temperature}); sampling with a KL penalty needs a distribution.")
+    if args.total_episodes < responses_per_iteration:
+        raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of {responses_per_iteration} responses; raise it.")
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
     if args.reward_fn and args.reward_fn not in REWARD_FNS:
@@ -484,9 +534,6 @@ def validate(args):
     check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
     for p in args.reward_model_path:
         check_model_path(p, "classifier", "--reward_model_path")
-    if args.value_model_path is None:
-        args.value_model_path = args.reward_model_path[0] if args.reward_model_path else args.model_name_or_path
-    check_model_path(args.value_model_path, "any", "--value_model_path")
     try:  # a folder that cannot be written would otherwise fail only when the first metrics are written
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -496,38 +543,51 @@ def validate(args):
 
 def failure_alarms(m, state, args):
     """Which failure signatures show in this iteration's metrics m. Collapse is measured against the run's
-    first values and value divergence against a moving average, both kept in state (updated here)."""
+    first values and value divergence against a moving average, both kept in state (updated here). A
+    signature whose metric is not logged (no critic, no reference model) never fires."""
     for key, metric in (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"), ("first_value_loss", "val/loss")):
-        state[key] = m[metric] if state[key] is None else state[key]
-    ema = m["val/loss"] if state["value_loss_ema"] is None else 0.9 * state["value_loss_ema"] + 0.1 * m["val/loss"]
-    state["value_loss_ema"] = ema
+        if state.get(key) is None:
+            state[key] = m.get(metric)
+    if "val/loss" in m:
+        ema = state.get("value_loss_ema")
+        state["value_loss_ema"] = m["val/loss"] if ema is None else 0.9 * ema + 0.1 * m["val/loss"]
+    def fell(metric, first):  # below --alarm_collapse of its first value
+        return m.get(metric) is not None and state[first] is not None and m[metric] < args.alarm_collapse * state[first]
+
     return {
-        "kl_explosion": m["objective/kl"] > args.alarm_kl,
-        "clip_fraction": m["policy/clipfrac"] > args.alarm_clipfrac,
-        "entropy_collapse": m["policy/entropy"] < args.alarm_collapse * state["first_entropy"],
-        "value_divergence": m["iteration"] > 10 and ema > state["first_value_loss"],  # rising, not falling
-        "diversity_collapse": m["response/distinct2"] < args.alarm_collapse * state["first_distinct2"],
+        "kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
+        "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
+        "entropy_collapse": fell("policy/entropy", "first_entropy"),
+        "value_divergence": "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"],  # rising, not falling
+        "diversity_collapse": fell("response/distinct2", "first_distinct2"),
     }
 
 
 ALARMS = {
-    "kl_explosion": "KL to the reference is past --alarm_kl: raise beta (--kl_coef, --kl_target), lower the learning rate.",
+    "kl_explosion": "KL to the reference is past --alarm_kl: raise --kl_coef (and --kl_target where there is one), lower the learning rate.",
     "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or --num_epochs.",
-    "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise beta, or stop earlier.",
+    "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, or stop earlier.",
     "value_divergence": "the value loss (moving average) rose above its first value: keep --normalize_reward, lower --value_learning_rate.",
-    "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise beta, stop earlier.",
+    "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise --kl_coef, stop earlier.",
 }
+# <<< shared: checks and alarms
+
+
+# What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
+PRINTED = [("score", "objective/score", "+.3f"), ("acc", "objective/accuracy", ".3f"), ("kl", "objective/kl", ".2f"), ("beta", "objective/kl_coef", ".3f"), ("len", "response/length", ".1f"),
+           ("eos", "response/eos_rate", ".2f"), ("d2", "response/distinct2", ".2f"), ("ent", "policy/entropy", ".2f"), ("clip", "policy/clipfrac", ".3f"),
+           ("vloss", "val/loss", ".3f"), ("ev", "val/explained_variance", ".2f"), ("held-out", "eval/score", "+.3f")]
 
 
 def main(args):
     # --- distributed set-up: one process per device under torchrun; a plain run needs none of it ---
+    # >>> shared: set-up
     rank, local_rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if args.world_size > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     is_main = rank == 0
     validate(args)
-    args.num_iterations = args.total_episodes // args.rollout_batch_size
     random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
 
@@ -537,16 +597,19 @@ def main(args):
     if tokenizer.pad_token_id is None:
         warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
         tokenizer.pad_token = tokenizer.eos_token
-    prompts, answers = load_prompts(args, tokenizer)
+    prompts, answers = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
+    eval_prompts, eval_answers = load_prompts(args.eval_dataset, args.eval_split, args, tokenizer) if args.eval_dataset else ([], [])
+    reward_fn = REWARD_FNS.get(args.reward_fn)
+    # <<< shared: set-up
+    responses_per_iteration = args.rollout_batch_size
+    args.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
     policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
     value_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5)
-    reward_fn = REWARD_FNS.get(args.reward_fn)
-
     # Everything besides the models and optimisers that a resumed run needs, in one place.
-    state = dict(iteration=0, episodes=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0, score_count=0.0,
-                 data_epoch=0, data_cursor=0, first_entropy=None, first_distinct2=None, first_value_loss=None, value_loss_ema=None)
-    os.makedirs(args.output_dir, exist_ok=True)
+    state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0, score_count=0.0)
+
+    # >>> shared: outputs and the starting policy's held-out score
     if is_main:
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
@@ -556,35 +619,43 @@ def main(args):
 
             wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args))
     local_batch = args.rollout_batch_size // args.world_size
-    alarms_on = set()
+    alarms_on, t_start = set(), time.time()
+    if eval_prompts:  # logged as iteration 0: where the run starts from
+        m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device)}
+        m["time/elapsed"] = time.time() - t_start
+        if is_main:
+            print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
+            metrics_file.write(json.dumps(m) + "\n")
+            if args.track:
+                wandb.log(m, step=0)
+    # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(1, args.num_iterations + 1):
         t0 = time.time()
         # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+        # >>> shared: prompts
         if state["data_cursor"] + args.rollout_batch_size > len(prompts):
             state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed + state["data_epoch"])).tolist()
         start = state["data_cursor"] + rank * local_batch
         idx = [order[i % len(prompts)] for i in range(start, start + local_batch)]
         state["data_cursor"] += args.rollout_batch_size
+        # <<< shared: prompts
         prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)  # (B, P)
         P = prompt_ids.shape[1]
 
-        # --- 2. generate with the current policy, recording logprobs_old as we sample ---
+        # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
+        # >>> shared: generate and score
         responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature, tokenizer.eos_token_id, tokenizer.pad_token_id)  # (B, T) each
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
+        raw_score, rule_scores, texts = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx])  # (B,)
+        has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,)
+        # <<< shared: generate and score
 
         with torch.no_grad():
-            # --- 3. score the full responses; the reward model reads the EOS position ---
-            last = P + response_mask.sum(1) - 1  # (B,) index of the final response token
-            rows = torch.arange(local_batch, device=device)
-            rm_scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]  # K x (B,)
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            rule_scores = torch.tensor(reward_fn(texts, [answers[i] for i in idx]), device=device) if reward_fn else None
-            score = combine_scores(rm_scores, rule_scores)  # (B,)
-            raw_score = score.clone()
+            score = raw_score
             ones = torch.ones_like(score)
             if args.normalize_reward:  # running moments over every score seen, on every process
                 batch_mean = masked_mean(score, ones).item()
@@ -592,7 +663,6 @@ def main(args):
                 state["score_mean"], state["score_var"], state["score_count"] = update_moments(
                     state["score_mean"], state["score_var"], state["score_count"], batch_mean, batch_var, float(args.rollout_batch_size))
                 score = (score - state["score_mean"]) / (state["score_var"] ** 0.5 + 1e-8)
-            has_eos = (responses == tokenizer.eos_token_id).any(1)
             score = torch.where(has_eos, score, score - args.missing_eos_penalty)
 
             # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
@@ -645,32 +715,22 @@ def main(args):
         t_optimize = time.time() - t0 - t_generate - t_score
 
         # --- 6. the dashboard: batch statistics over all processes ---
-        state["iteration"], state["episodes"] = iteration, state["episodes"] + args.rollout_batch_size
+        # >>> shared: dashboard
+        state["iteration"], state["episodes"] = iteration, state["episodes"] + responses_per_iteration
         tok_stats = torch.tensor([sums[k] for k in sorted(sums)] + [counts["tokens"], counts["steps"]], device=device, dtype=torch.float64)
         if args.world_size > 1:
             dist.all_reduce(tok_stats)
             dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         opt = dict(zip(sorted(sums), tok_stats[:-2].tolist()))
         n_tokens, n_steps = tok_stats[-2].item(), tok_stats[-1].item()
-        seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
         lengths = response_mask.sum(1).float()
         token_lists = [r[: int(n)].tolist() for r, n in zip(responses, lengths)]
-        var_returns = masked_var(returns, response_mask).item()
         m = {
             "iteration": iteration,
             "episodes": state["episodes"],
             "objective/score": global_mean(raw_score),
-            "objective/score_normalized": global_mean(score),
-            "objective/kl": global_mean(seq_kl),
-            "objective/kl_coef": state["kl_coef"],
-            "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
-            "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
             "policy/first_ratio_dev": first_ratio_dev,
             "policy/ratio_max": ratio_max.item(),
-            "val/explained_variance": 1 - masked_var(returns - values_old, response_mask).item() / max(var_returns, 1e-8),
-            "val/mean": masked_mean(values_old, response_mask).item(),
-            "adv/mean": masked_mean(raw_advantages, response_mask).item(),
-            "adv/std": masked_var(raw_advantages, response_mask).item() ** 0.5,
             "response/length": global_mean(lengths),
             "response/eos_rate": global_mean(has_eos),
             "response/distinct1": global_mean(torch.tensor([distinct_n(token_lists, 1)], device=device)),
@@ -680,22 +740,39 @@ def main(args):
             "time/optimize": t_optimize,
             "time/iteration": time.time() - t0,
         }
+        if rule_scores is not None:
+            m["objective/accuracy"] = global_mean(rule_scores)
         m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in opt.items()})
-        m["time/tokens_per_second"] = args.rollout_batch_size * (P + m["response/length"]) / m["time/iteration"]
+        m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
+        # <<< shared: dashboard
+        seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
+        var_returns = masked_var(returns, response_mask).item()
+        m.update({
+            "objective/score_normalized": global_mean(score),
+            "objective/kl": global_mean(seq_kl),
+            "objective/kl_coef": state["kl_coef"],
+            "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
+            "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
+            "val/explained_variance": 1 - masked_var(returns - values_old, response_mask).item() / max(var_returns, 1e-8),
+            "val/mean": masked_mean(values_old, response_mask).item(),
+            "adv/mean": masked_mean(raw_advantages, response_mask).item(),
+            "adv/std": masked_var(raw_advantages, response_mask).item() ** 0.5,
+        })
 
         # --- 7. the adaptive KL controller steps on the measured KL of this rollout ---
         if args.adaptive_kl:
             state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], m["objective/kl"], args.kl_target, args.kl_horizon, args.rollout_batch_size)
 
-        # --- 8. alarms: the signatures of PPO-RLHF's four classic failure modes ---
+        # --- 8. held-out score, alarms for the classic failure modes, the log ---
+        # >>> shared: evaluate, alarms, log and save
+        if eval_prompts and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
+            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device))
+        m["time/elapsed"] = time.time() - t_start
         firing = failure_alarms(m, state, args)
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
-
         if is_main:
-            print(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | score {m['objective/score']:+.3f} kl {m['objective/kl']:.2f} "
-                  f"beta {m['objective/kl_coef']:.3f} | len {m['response/length']:.1f} eos {m['response/eos_rate']:.2f} d2 {m['response/distinct2']:.2f} "
-                  f"| ent {m['policy/entropy']:.2f} clip {m['policy/clipfrac']:.3f} vloss {m['val/loss']:.3f} ev {m['val/explained_variance']:.2f} "
-                  f"| {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}", flush=True)
+            shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
+            print(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}", flush=True)
             for name, on in firing.items():
                 if on and name not in alarms_on:
                     print(f"ALARM {name}: {ALARMS[name]}", flush=True)
@@ -711,7 +788,7 @@ def main(args):
                     wandb.log({"samples": wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])}, step=state["episodes"])
         alarms_on = {name for name, on in firing.items() if on}
 
-    # --- 9. save the final policy where from_pretrained can load it ---
+    # --- last: save the final policy where from_pretrained can load it ---
     if is_main:
         metrics_file.close()
         policy.save_pretrained(args.output_dir)
@@ -721,6 +798,7 @@ def main(args):
             wandb.finish()
     if args.world_size > 1:
         dist.destroy_process_group()
+    # <<< shared: evaluate, alarms, log and save
 
 
 if __name__ == "__main__":

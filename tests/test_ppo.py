@@ -281,7 +281,7 @@ def args_with(**kw):
     "kw,message",
     [
         (dict(model_name_or_path="/nonexistent/model"), "could not be found"),
-        (dict(rollout_batch_size=64, minibatch_size=24), "does not divide --rollout_batch_size"),
+        (dict(rollout_batch_size=64, minibatch_size=24), "does not divide the 64 responses per iteration"),
         (dict(minibatch_size=16, micro_batch_size=5), "does not divide the per-process minibatch"),
         (dict(temperature=0.0), "must be positive"),
         (dict(reward_model_path=(), reward_fn=None), "no reward"),
@@ -318,28 +318,28 @@ def test_bad_datasets(tmp_path):
     (tmp_path / "wrong.jsonl").write_text(json.dumps({"text": "the food was"}) + "\n")
     (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "the food was " * 20}) + "\n" + json.dumps({"prompt": "the plot was"}) + "\n")
     with pytest.raises(SystemExit, match="does not exist"):
-        ppo.load_prompts(args_with(dataset=str(tmp_path / "missing.jsonl")), tokenizer)
+        ppo.load_prompts(str(tmp_path / "missing.jsonl"), "train", args_with(), tokenizer)
     with pytest.raises(SystemExit, match="empty"):
-        ppo.load_prompts(args_with(dataset=str(tmp_path / "empty.jsonl")), tokenizer)
+        ppo.load_prompts(str(tmp_path / "empty.jsonl"), "train", args_with(), tokenizer)
     with pytest.raises(SystemExit, match="no 'prompt' column"):
-        ppo.load_prompts(args_with(dataset=str(tmp_path / "wrong.jsonl")), tokenizer)
+        ppo.load_prompts(str(tmp_path / "wrong.jsonl"), "train", args_with(), tokenizer)
     with pytest.raises(SystemExit, match="longer than --max_prompt_length 16"):
-        ppo.load_prompts(args_with(dataset=str(tmp_path / "long.jsonl"), max_prompt_length=16), tokenizer)
+        ppo.load_prompts(str(tmp_path / "long.jsonl"), "train", args_with(max_prompt_length=16), tokenizer)
     with pytest.warns(UserWarning, match="cut to their last 16 tokens"):
-        prompts, _ = ppo.load_prompts(args_with(dataset=str(tmp_path / "long.jsonl"), max_prompt_length=16, truncate_prompts=True), tokenizer)
+        prompts, _ = ppo.load_prompts(str(tmp_path / "long.jsonl"), "train", args_with(max_prompt_length=16, truncate_prompts=True), tokenizer)
     full = tokenizer("the food was " * 20, add_special_tokens=False)["input_ids"]
     assert prompts[0] == full[-16:] and prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="needs an answer column"):
-        ppo.load_prompts(args_with(dataset=str(tmp_path / "long.jsonl"), reward_fn="arithmetic", max_prompt_length=200), tokenizer)
+        ppo.load_prompts(str(tmp_path / "long.jsonl"), "train", args_with(reward_fn="arithmetic", max_prompt_length=200), tokenizer)
     (tmp_path / "broken.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n\n" + '{"prompt": "the plot was"' + "\n")
     with pytest.raises(SystemExit, match="line 3 of '.*broken.jsonl' is not valid JSON"):
-        ppo.load_prompts(args_with(dataset=str(tmp_path / "broken.jsonl")), tokenizer)
+        ppo.load_prompts(str(tmp_path / "broken.jsonl"), "train", args_with(), tokenizer)
     (tmp_path / "number.jsonl").write_text(json.dumps({"prompt": 12}) + "\n")
     with pytest.raises(SystemExit, match="row 1 of .* has a int as its prompt"):
-        ppo.load_prompts(args_with(dataset=str(tmp_path / "number.jsonl")), tokenizer)
+        ppo.load_prompts(str(tmp_path / "number.jsonl"), "train", args_with(), tokenizer)
     # HF_HUB_OFFLINE=1 (conftest): a hub dataset cannot be fetched, and the error says so instead of a traceback
     with pytest.raises(SystemExit, match="hub dataset 'someone/reviews' .* could not be loaded"):
-        ppo.load_prompts(args_with(dataset="someone/reviews"), tokenizer)
+        ppo.load_prompts("someone/reviews", "train", args_with(), tokenizer)
 
 
 # ---------------------------------------------------------------- the script, end to end
@@ -359,7 +359,10 @@ def run_script(tmp_path, *extra):
 def test_smoke_run_on_embedded_default(tmp_path):
     out, stdout = run_script(tmp_path)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in rows] == [1, 2]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0: the starting policy's held-out score
+    assert "eval/score" in rows[0] and "eval/score" not in rows[1] and "eval/score" in rows[2]  # before training, then after the last
+    assert -5 < rows[0]["eval/score"] < 5 and -5 < rows[0]["eval/score_greedy"] < 5
+    rows = rows[1:]
     for r in rows:
         for key in ("objective/score", "objective/kl", "objective/kl_coef", "policy/entropy", "policy/clipfrac", "policy/approx_kl",
                     "val/loss", "val/explained_variance", "response/length", "response/eos_rate", "response/distinct2", "time/tokens_per_second"):
@@ -377,9 +380,11 @@ def test_smoke_run_on_embedded_default(tmp_path):
 
 def test_smoke_run_with_rule_reward(tmp_path):
     # --hub_kernels too: on a CPU transformers has no hub kernel to swap in, so it must run offline all the same
-    out, _ = run_script(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path", "--hub_kernels")
+    out, _ = run_script(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--eval_dataset", "assets/arithmetic/test.jsonl", "--reward_fn", "arithmetic", "--reward_model_path", "--hub_kernels")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(0.0 <= r["objective/score"] <= 1.0 for r in rows)  # an exact-match reward, no reward model
+    assert all(0.0 <= r["objective/score"] <= 1.0 for r in rows[1:])  # an exact-match reward, no reward model
+    # the held-out score of a rule reward is an accuracy over the 400 test prompts
+    assert all(0.0 <= rows[i][k] <= 1.0 and rows[i][k] * 400 == pytest.approx(round(rows[i][k] * 400)) for i in (0, -1) for k in ("eval/score", "eval/score_greedy"))
     args = json.loads((out / "args.json").read_text())
     assert args["value_model_path"] == "assets/tiny-sft"  # the critic starts from the policy when there is no reward model
 
@@ -397,7 +402,7 @@ def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
     assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None
     out, output = run_script(tmp_path, "--model_name_or_path", str(policy_dir))
     assert "no pad token; using EOS as pad" in output
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     # With pad == EOS the mask, not the token id, ends a response: lengths stay within bounds and the
     # sampled log-probs still agree with the training forward pass.
     assert all(1 <= r["response/length"] <= 8 and r["policy/first_ratio_dev"] < 1e-4 for r in rows)
