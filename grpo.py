@@ -193,6 +193,7 @@ def group_advantages(scores, group_size, scale_rewards, eps=1e-8):
     return centred.reshape(-1)
 
 
+# >>> shared: zero signal, KL estimators, clipped surrogate, loss weights
 def zero_signal_groups(scores, group_size):
     """Groups whose responses all scored the same (B / G,) bool: every advantage in them is 0, so they teach nothing."""
     grouped = scores.view(-1, group_size)  # (groups, G)
@@ -228,6 +229,7 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
     if aggregation == "sequence_mean":  # every response the same weight: each token of a long response counts less (GRPO)
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(num_sequences, 1))
     return mask / (max(num_sequences, 1) * response_length)  # a constant divisor: no length bias (Dr. GRPO)
+# <<< shared: zero signal, KL estimators, clipped surrogate, loss weights
 
 
 # >>> shared: scores
@@ -617,12 +619,12 @@ def main(args):
         # <<< shared: generate and score
 
         with torch.no_grad():
-            score = torch.where(has_eos, raw_score, raw_score - args.missing_eos_penalty)
+            rewards = torch.where(has_eos, raw_score, raw_score - args.missing_eos_penalty)  # (B,)
 
             # --- 4. group-relative advantages, one per response; the reference's log-probs for the KL term ---
-            advantages = group_advantages(score, G, args.scale_rewards)  # (B,)
-            group_std = score.view(-1, G).std(1, unbiased=False)  # (B / G,)
-            zero_signal = zero_signal_groups(score, G)  # (B / G,)
+            advantages = group_advantages(rewards, G, args.scale_rewards)  # (B,)
+            group_std = rewards.view(-1, G).std(1, unbiased=False)  # (B / G,)
+            zero_signal = zero_signal_groups(rewards, G)  # (B / G,)
             train_mask = response_mask * ~zero_signal.repeat_interleave(G)[:, None] if args.drop_zero_signal_groups else response_mask  # (B, T)
             if ref_policy is not None:
                 logprobs_ref = response_logprobs(ref_policy, input_ids, attention_mask, P, args.temperature) * response_mask  # (B, T)

@@ -1,0 +1,784 @@
+"""RLOO in one file: sample k responses per prompt, score them, and take a policy-gradient step on each
+response with the mean score of the other k - 1 as its baseline.
+
+REINFORCE Leave-One-Out (Ahmadian et al., 2024, "Back to Basics", arXiv:2402.14740; the estimator is
+Kool et al.'s, 2019) is grpo.py with the baseline of REINFORCE instead of a normalised group advantage:
+A_i = r_i - mean_{j != i} r_j, the same for every token of response i, with no division by a standard
+deviation. The KL to the frozen reference is subtracted from each response's reward, as in ppo.py, but
+summed over the response instead of token by token. `diff grpo.py rloo.py` shows exactly what changes.
+
+Where this file departs from the paper, and why:
+- With one update per rollout (the default: one epoch, one minibatch) the loss is the paper's REINFORCE,
+  -A log pi. With more (--num_epochs > 1 or several minibatches) the data goes stale, so the PPO clip on
+  the ratio to logprobs_old keeps each step proximal.
+- Scores are normalised by running moments and a response without EOS pays a penalty, as in ppo.py.
+- --kl_in_loss moves the KL from the reward into the loss (grpo.py's k3 term), an option the paper lacks.
+- logprobs_old are recorded while sampling, as in ppo.py, and dropout stays off.
+
+Commands:
+  python rloo.py                                    # the embedded default: reviews with the tiny reward model, CPU, minutes
+  python rloo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> \\
+      --dataset <prompts.jsonl> --model_dtype bfloat16 --learning_rate 1e-6   # one GPU, hub models
+  torchrun --nproc_per_node=8 rloo.py --args ...    # one process per GPU; gradients all-reduced
+"""
+
+import json
+import os
+import random
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Literal, Optional
+
+import torch
+import torch.distributed as dist
+import tyro
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers.cache_utils import DynamicCache
+
+from rlhf_kernels import token_logprobs
+
+
+@dataclass
+class Args:
+    # the task: what is trained on, how it is scored, where it is written
+    exp_name: str = "rloo"
+    """name of the run (wandb run name)"""
+    output_dir: str = "runs/rloo"
+    """where metrics.jsonl, args.json and the final policy are written"""
+    dataset: str = "assets/reviews/train.jsonl"
+    """training prompts: a local .json/.jsonl file, or a hub dataset name"""
+    eval_dataset: Optional[str] = "assets/reviews/test.jsonl"
+    """held-out prompts scored every --eval_every iterations (same format as --dataset); none to skip"""
+    reward_model_path: tuple[str, ...] = ("assets/tiny-rm",)
+    """reward models (sequence classifiers, one label); with several, the score is their minimum"""
+    reward_fn: Optional[str] = None
+    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the answer)"""
+
+    # >>> shared: arguments
+    seed: int = 1
+    """random seed (each process adds its rank)"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rlhf-reference"
+    """wandb project name"""
+    model_name_or_path: str = "assets/tiny-sft"
+    """the starting policy (a causal LM); the frozen reference is a copy of it"""
+    model_dtype: str = "float32"
+    """dtype of the models' weights: float32, bfloat16 or float16"""
+    hub_kernels: bool = False
+    """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
+    dataset_split: str = "train"
+    """split of a hub --dataset"""
+    eval_split: str = "test"
+    """split of a hub --eval_dataset"""
+    prompt_field: str = "prompt"
+    """the dataset column holding the prompt text"""
+    answer_field: str = "answer"
+    """the dataset column holding the reference answer (rule rewards only)"""
+    max_prompt_length: int = 64
+    """longest prompt in tokens"""
+    truncate_prompts: bool = False
+    """cut longer prompts to their last max_prompt_length tokens (with a warning) instead of stopping"""
+    response_length: int = 24
+    """most new tokens per response"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs of training and KL use the same temperature"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score (after any normalisation) of a response that ends without EOS"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip, per trained model"""
+    ent_coef: float = 0.0
+    """weight of the entropy bonus (c2, 0 to 0.01)"""
+    eval_every: int = 10
+    """score the held-out prompts every this many iterations (and before the first and after the last)"""
+    eval_batch_size: int = 100
+    """held-out prompts per generation call"""
+    log_samples_every: int = 10
+    """print a few prompt / response / score rows every this many iterations"""
+    alarm_kl: float = 20.0
+    """warn when the KL to the reference passes this (KL explosion)"""
+    alarm_clipfrac: float = 0.3
+    """warn when the clip fraction passes this (steps too large)"""
+    alarm_collapse: float = 0.5
+    """warn when entropy or distinct-2 falls below this fraction of its first value (mode collapse)"""
+    # <<< shared: arguments
+
+    # RLOO: k samples per prompt, a leave-one-out baseline, the KL in the reward
+    total_episodes: int = 9600
+    """responses sampled over the whole run"""
+    rollout_batch_size: int = 16
+    """prompts per iteration, over all processes; each is sampled num_generations times"""
+    num_generations: int = 4
+    """k, responses per prompt: each one's baseline is the mean score of the other k - 1"""
+    minibatch_size: int = 64
+    """responses per optimiser step, over all processes"""
+    micro_batch_size: int = 32
+    """responses per forward/backward in one process (gradient accumulation makes up the minibatch)"""
+    num_epochs: int = 1
+    """passes over each rollout; more than one update per rollout switches REINFORCE to the clipped loss"""
+    learning_rate: float = 1e-4
+    """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
+    clip_range_low: float = 0.2
+    """ratios below 1 - clip_range_low stop pushing a token down"""
+    clip_range_high: float = 0.2
+    """ratios above 1 + clip_range_high stop pushing a token up (DAPO's clip-higher raises it, e.g. to 0.28)"""
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "constant"
+    """how token losses become the minibatch loss; constant is the paper's sum of log-probs over a response, divided by a constant"""
+    kl_coef: float = 0.05
+    """beta: the KL to the reference, summed over a response, is subtracted from its reward; 0 skips the reference model"""
+    kl_in_loss: bool = False
+    """put the KL in the loss (the --kl_estimator term of grpo.py) instead of the reward"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """the per-token KL estimate in the loss (see kl_penalty)"""
+    normalize_reward: bool = True
+    """normalise scores by the running mean and std of all scores seen so far"""
+    drop_zero_signal_groups: bool = False
+    """leave groups whose responses all scored the same out of the loss"""
+
+    # filled in at runtime
+    world_size: int = 1
+    """(computed at runtime from WORLD_SIZE; setting it has no effect) number of processes"""
+    num_iterations: int = 0
+    """(computed at runtime; setting it has no effect) total_episodes // (rollout_batch_size * num_generations)"""
+
+
+# ----------------------------------------------------------------------------------------------------
+# The math: small pure functions, tensors in and tensors out.
+# ----------------------------------------------------------------------------------------------------
+
+
+# >>> shared: batch statistics
+def masked_sum_count(x, mask):
+    """Sum of x over mask and the number of valid entries, summed over all processes when distributed."""
+    total = torch.stack([(x * mask).sum(), mask.sum()]).double()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    return total[0], total[1]
+
+
+def masked_mean(x, mask):
+    """Mean of x over valid entries of the whole (global) batch."""
+    s, n = masked_sum_count(x, mask)
+    return (s / n.clamp(min=1)).to(x.dtype)
+
+
+def global_mean(x):
+    """Mean of a per-sequence statistic over the whole (global) batch, as a float."""
+    x = x.float()
+    return masked_mean(x, torch.ones_like(x)).item()
+
+
+def masked_var(x, mask):
+    """Biased variance of x over valid entries of the whole (global) batch."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+# <<< shared: batch statistics
+
+
+def rloo_advantages(rewards, k):
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, eq. 6): A_i = r_i - mean_{j != i} r_j, which equals
+    k / (k - 1) * (r_i - mean(r_group)). rewards (B,) hold consecutive groups of k. Returns (B,)."""
+    grouped = rewards.view(-1, k)  # (groups, k)
+    baseline = (grouped.sum(1, keepdim=True) - grouped) / (k - 1)  # (groups, k): the mean of the others
+    return (grouped - baseline).reshape(-1)
+
+
+def kl_shaped_rewards(scores, logprobs_old, logprobs_ref, response_mask, kl_coef):
+    """The reward of a whole response: its score minus beta times its KL to the reference, summed over its
+    tokens (Ahmadian et al. 2024; ppo.py spreads the same sum over the tokens). Returns rewards (B,) and the KL (B,)."""
+    kl = ((logprobs_old - logprobs_ref) * response_mask).sum(1)  # (B,) nats per response
+    return scores - kl_coef * kl, kl
+
+
+# >>> shared: running moments
+def update_moments(mean, var, count, batch_mean, batch_var, batch_count):
+    """Merge a batch's mean and (biased) variance into running ones (Chan et al.'s parallel formula),
+    so the running statistics equal those of the whole stream seen so far."""
+    total = count + batch_count
+    delta = batch_mean - mean
+    new_mean = mean + delta * batch_count / total
+    m2 = var * count + batch_var * batch_count + delta**2 * count * batch_count / total
+    return new_mean, m2 / total, total
+# <<< shared: running moments
+
+
+# >>> shared: zero signal, KL estimators, clipped surrogate, loss weights
+def zero_signal_groups(scores, group_size):
+    """Groups whose responses all scored the same (B / G,) bool: every advantage in them is 0, so they teach nothing."""
+    grouped = scores.view(-1, group_size)  # (groups, G)
+    return (grouped == grouped[:, :1]).all(1)
+
+
+def kl_penalty(logprobs, logprobs_ref, estimator):
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
+    divergence"), with log r = log pi_ref - log pi:"""
+    log_r = logprobs_ref - logprobs
+    if estimator == "k1":
+        return -log_r  # unbiased, but high variance and negative on some tokens
+    if estimator == "k2":
+        return 0.5 * log_r**2  # never negative, low variance, biased (exact to second order in log r)
+    return torch.expm1(log_r) - log_r  # k3 = (r - 1) - log r: unbiased, never negative, low variance (GRPO, eq. 4)
+
+
+def policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
+    """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7), with a lower
+    and an upper epsilon (DAPO's clip-higher): -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), rho = exp(logp - logp_old).
+    Returns the loss (B, T), the ratio and whether each token was clipped."""
+    ratio = torch.exp(logprobs - logprobs_old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
+
+
+def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
+    """Per-token weights w (B, T) such that the minibatch loss is sum w * loss. num_sequences and num_tokens
+    count the whole (global) minibatch, so micro-batches and processes add up to the same loss."""
+    if aggregation == "token_mean":  # every token the same weight: a long response counts more than a short one (DAPO)
+        return mask / max(num_tokens, 1)
+    if aggregation == "sequence_mean":  # every response the same weight: each token of a long response counts less (GRPO)
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(num_sequences, 1))
+    return mask / (max(num_sequences, 1) * response_length)  # a constant divisor: no length bias (Dr. GRPO)
+# <<< shared: zero signal, KL estimators, clipped surrogate, loss weights
+
+
+# >>> shared: scores
+def combine_scores(rm_scores, rule_scores=None):
+    """The score of each response: the minimum over reward models (a response must fool all of them to be
+    over-rewarded: the ensemble fix for reward exploitation), plus the rule reward when there is one."""
+    score = torch.stack(rm_scores).min(0).values if rm_scores else torch.zeros_like(rule_scores)
+    return score + rule_scores if rule_scores is not None else score
+
+
+def distinct_n(sequences, n):
+    """Distinct-n: unique n-grams over all n-grams in a batch of token lists (1.0 = no repetition)."""
+    ngrams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(ngrams)) / max(len(ngrams), 1)
+
+
+def arithmetic_reward(responses, answers):
+    """Rule reward: 1 when the response, stripped, is exactly the answer, else 0."""
+    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+
+
+REWARD_FNS = {"arithmetic": arithmetic_reward}
+# <<< shared: scores
+
+
+# ----------------------------------------------------------------------------------------------------
+# Models: forward passes and the one place that builds them.
+# ----------------------------------------------------------------------------------------------------
+
+
+# >>> shared: models and data
+def position_ids_from(attention_mask):
+    """Left padding shifts every prompt; positions count real tokens only."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
+    """Teacher-forced log-probs (and entropies) of the response tokens input_ids[:, prompt_length:]."""
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).logits
+    logits = logits[:, prompt_length - 1 : -1]  # (B, T, V): position t predicts token t+1
+    return token_logprobs(logits, input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
+
+
+def head_outputs(model, input_ids, attention_mask):
+    """Scalar head of a sequence classifier at every position (B, L): per-token values for the critic;
+    the reward model's score is the entry at the last real token (the EOS)."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()  # (B, L)
+
+
+@torch.no_grad()
+def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, greedy=False, generator=None):
+    """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits
+    it was sampled from (logprobs_old). Left-padded prompts; a sequence stops at its first EOS, after
+    which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and response_mask (B, T),
+    where the mask covers every token up to and including the EOS. greedy takes the argmax instead
+    (evaluation); generator keeps evaluation's draws out of the training run's random stream."""
+    B = prompt_ids.shape[0]
+    cache = DynamicCache()
+    attention_mask = prompt_mask
+    positions = position_ids_from(prompt_mask)  # (B, P)
+    logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True).logits[:, -1]
+    next_position = positions[:, -1:] + 1  # (B, 1)
+    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    tokens, logprobs, masks = [], [], []
+    for step in range(max_new_tokens):
+        probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+        token = probs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+        logprob = token_logprobs(logits, token, temperature)  # (B,), the same logits, the same temperature
+        masks.append(~done)
+        tokens.append(torch.where(done, pad_token_id, token))
+        logprobs.append(torch.where(done, 0.0, logprob))
+        done = done | (token == eos_token_id)
+        if done.all() or step == max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache, use_cache=True)
+        logits, next_position = out.logits[:, -1], next_position + 1
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+
+
+@torch.no_grad()
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, answers):
+    """The raw score of each full response (B,): the reward models read the last real token (the EOS), the
+    rule reads the decoded text. Also returns the rule's own scores (or None) and the texts."""
+    last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) index of the final response token
+    rows = torch.arange(len(responses), device=responses.device)
+    rm_scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]  # K x (B,)
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    rule_scores = torch.tensor(reward_fn(texts, answers), device=responses.device) if reward_fn else None
+    return combine_scores(rm_scores, rule_scores), rule_scores, texts
+
+
+@torch.no_grad()
+def evaluate(policy, reward_models, reward_fn, tokenizer, prompts, answers, args, rank, device):
+    """Mean raw score on held-out prompts, sampled at the training temperature and greedy (with a rule reward
+    that is the accuracy). The same draws at every evaluation, from a generator of their own."""
+    generator = torch.Generator(device).manual_seed(args.seed)
+    local = list(range(rank, len(prompts), args.world_size))
+    result = {}
+    for name, greedy in (("eval/score", False), ("eval/score_greedy", True)):
+        scores = []
+        for start in range(0, len(local), args.eval_batch_size):
+            idx = local[start : start + args.eval_batch_size]
+            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
+            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
+                                                   tokenizer.eos_token_id, tokenizer.pad_token_id, greedy, generator)
+            input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
+            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx])[0])
+        result[name] = global_mean(torch.cat(scores))
+    return result
+
+
+def check_model_path(path, kind, what):
+    """One sentence for a path that is not there or not the right kind of model, before anything loads."""
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder written by save_pretrained or a hub model name.")
+    archs = config.architectures or []
+    if kind == "causal" and not any(a.endswith("ForCausalLM") for a in archs):
+        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a causal LM; pass a model saved as ...ForCausalLM.")
+    if kind == "classifier" and not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a sequence classifier; pass a model saved as ...ForSequenceClassification with num_labels=1.")
+    if kind == "classifier" and getattr(config, "num_labels", 1) != 1:
+        raise SystemExit(f"{what} '{path}' has {config.num_labels} labels; a reward model needs exactly one (num_labels=1).")
+
+
+def load_model(model_class, path, args, device, trained, **kwargs):
+    """from_pretrained with every choice explicit. Transformers' hub kernels (on by default since 5.25: a
+    download at load time and different numerics) stay off unless --hub_kernels; they are applied once the
+    model sits on its device, since at load time it is on the CPU, where nothing is replaced."""
+    model = model_class.from_pretrained(path, dtype=getattr(torch, args.model_dtype), use_kernels=False, **kwargs).to(device).eval()
+    if args.hub_kernels:
+        from kernels import Mode
+
+        model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
+    return model.requires_grad_(trained)
+
+
+def read_rows(path, split, args):
+    """The dataset as a list of dicts. A local .jsonl (or .json) file is read line by line, so that a bad
+    line is named; anything else is a hub dataset."""
+    if not path.endswith((".json", ".jsonl")):
+        from datasets import load_dataset
+
+        try:
+            return list(load_dataset(path, split=split))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"hub dataset '{path}' (split '{split}') could not be loaded ({type(e).__name__}); check its name and the network "
+                             "(HF_HUB_OFFLINE=1 forbids downloads), or pass a local .jsonl file instead.")
+    if not os.path.isfile(path):
+        raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json") and text.lstrip().startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"'{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file or write it as JSON lines.")
+    rows = []
+    for line_number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"line {line_number} of '{path}' is not valid JSON ({e.msg}); fix or remove that line.")
+    return rows
+
+
+def load_prompts(path, split, args, tokenizer):
+    """Tokenise every prompt of a dataset (--dataset or --eval_dataset) once, checking the rows and the prompt
+    lengths before any model loads. Returns the token lists and the answers (None without a rule reward)."""
+    rows = read_rows(path, split, args)
+    if len(rows) == 0:
+        raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
+    needed = [args.prompt_field] + ([args.answer_field] if args.reward_fn else [])
+    for n, row in enumerate(rows, 1):
+        missing = [k for k in needed if not isinstance(row, dict) or k not in row]
+        if missing == [args.answer_field]:
+            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{path}' has no '{args.answer_field}' (it has {list(row)}); pass --answer_field.")
+        if missing:
+            raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has {list(row) if isinstance(row, dict) else type(row).__name__}); "
+                             "pass --prompt_field with the column holding the prompts.")
+        if not isinstance(row[args.prompt_field], str):
+            raise SystemExit(f"row {n} of '{path}' has a {type(row[args.prompt_field]).__name__} as its prompt; prompts must be text.")
+    prompts = [tokenizer(row[args.prompt_field], add_special_tokens=False)["input_ids"] for row in rows]
+    too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
+    if too_long and not args.truncate_prompts:
+        longest = max(len(prompts[i]) for i in too_long)
+        raise SystemExit(f"{len(too_long)} prompts are longer than --max_prompt_length {args.max_prompt_length} (the longest has {longest} tokens); raise it, or pass --truncate_prompts to keep their last tokens.")
+    if too_long:
+        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens (--truncate_prompts).")
+        prompts = [p[-args.max_prompt_length :] for p in prompts]
+    if any(len(p) == 0 for p in prompts):
+        raise SystemExit(f"dataset '{path}' has empty prompts; remove them (a response needs a prompt to follow).")
+    answers = [row[args.answer_field] for row in rows] if args.reward_fn else [None] * len(prompts)
+    return prompts, answers
+
+
+def left_pad(sequences, pad_token_id, device):
+    """Token lists to a left-padded (B, P) tensor and its attention mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
+    return ids.to(device), mask.to(device)
+# <<< shared: models and data
+
+
+def build_models(args, tokenizer, device):
+    """Load the policy, its frozen reference and the reward models, in eval mode (no dropout). With
+    --kl_coef 0 nothing reads the reference, so it is not loaded at all."""
+    policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
+    ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False) if args.kl_coef > 0 else None
+    reward_models = [load_model(AutoModelForSequenceClassification, p, args, device, trained=False, num_labels=1) for p in args.reward_model_path]
+    for m in reward_models:
+        m.config.pad_token_id = tokenizer.pad_token_id
+    return policy, ref_policy, reward_models
+
+
+def validate(args):
+    """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
+    if args.rollout_batch_size < 1:
+        raise SystemExit(f"--rollout_batch_size must be at least 1 (got {args.rollout_batch_size}).")
+    if args.num_generations < 2:
+        raise SystemExit(f"--num_generations must be at least 2 (got {args.num_generations}): the baseline is the other responses to the same prompt.")
+    for name in ("learning_rate", "clip_range_low", "clip_range_high"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
+    if not args.kl_coef >= 0:
+        raise SystemExit(f"--kl_coef must be zero or more (got {args.kl_coef}).")
+    check_common_args(args, responses_per_iteration=args.rollout_batch_size * args.num_generations)
+
+
+# >>> shared: checks and alarms
+def check_common_args(args, responses_per_iteration):
+    """The checks every script shares; the output folder last, so that nothing is created for a run that cannot start."""
+    for name in ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
+                 "eval_every", "eval_batch_size", "log_samples_every"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
+    for name in ("max_grad_norm", "temperature"):
+        if not getattr(args, name) > 0:
+            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
+    for name in ("ent_coef", "missing_eos_penalty"):
+        if not getattr(args, name) >= 0:
+            raise SystemExit(f"--{name} must be zero or more (got {getattr(args, name)}).")
+    if responses_per_iteration % args.world_size or args.minibatch_size % args.world_size:
+        raise SystemExit(f"the {responses_per_iteration} responses per iteration and --minibatch_size {args.minibatch_size} must be multiples of the {args.world_size} processes.")
+    if responses_per_iteration % args.minibatch_size:
+        raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide the {responses_per_iteration} responses per iteration; pick sizes where it does.")
+    if (args.minibatch_size // args.world_size) % args.micro_batch_size:
+        raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of {args.minibatch_size // args.world_size}; pick one that does.")
+    if args.total_episodes < responses_per_iteration:
+        raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of {responses_per_iteration} responses; raise it.")
+    if not args.reward_model_path and not args.reward_fn:
+        raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
+    if args.reward_fn and args.reward_fn not in REWARD_FNS:
+        raise SystemExit(f"unknown --reward_fn '{args.reward_fn}'; choose one of {sorted(REWARD_FNS)}.")
+    if args.model_dtype not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
+    check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
+    for p in args.reward_model_path:
+        check_model_path(p, "classifier", "--reward_model_path")
+    try:  # a folder that cannot be written would otherwise fail only when the first metrics are written
+        os.makedirs(args.output_dir, exist_ok=True)
+        tempfile.TemporaryFile(dir=args.output_dir).close()
+    except OSError as e:
+        raise SystemExit(f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a folder you can write.")
+
+
+def failure_alarms(m, state, args):
+    """Which failure signatures show in this iteration's metrics m. Collapse is measured against the run's
+    first values and value divergence against a moving average, both kept in state (updated here). A
+    signature whose metric is not logged (no critic, no reference model) never fires."""
+    for key, metric in (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"), ("first_value_loss", "val/loss")):
+        if state.get(key) is None:
+            state[key] = m.get(metric)
+    if "val/loss" in m:
+        ema = state.get("value_loss_ema")
+        state["value_loss_ema"] = m["val/loss"] if ema is None else 0.9 * ema + 0.1 * m["val/loss"]
+    def fell(metric, first):  # below --alarm_collapse of its first value
+        return m.get(metric) is not None and state[first] is not None and m[metric] < args.alarm_collapse * state[first]
+
+    return {
+        "kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
+        "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
+        "entropy_collapse": fell("policy/entropy", "first_entropy"),
+        "value_divergence": "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"],  # rising, not falling
+        "diversity_collapse": fell("response/distinct2", "first_distinct2"),
+    }
+
+
+ALARMS = {
+    "kl_explosion": "KL to the reference is past --alarm_kl: raise --kl_coef (and --kl_target where there is one), lower the learning rate.",
+    "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or --num_epochs.",
+    "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, or stop earlier.",
+    "value_divergence": "the value loss (moving average) rose above its first value: keep --normalize_reward, lower --value_learning_rate.",
+    "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise --kl_coef, stop earlier.",
+}
+# <<< shared: checks and alarms
+
+
+# What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
+PRINTED = [("score", "objective/score", "+.3f"), ("acc", "objective/accuracy", ".3f"), ("kl", "objective/kl", ".2f"), ("len", "response/length", ".1f"),
+           ("eos", "response/eos_rate", ".2f"), ("d2", "response/distinct2", ".2f"), ("ent", "policy/entropy", ".2f"), ("clip", "policy/clipfrac", ".3f"),
+           ("zero-signal", "adv/zero_signal_fraction", ".2f"), ("held-out", "eval/score", "+.3f")]
+
+
+def main(args):
+    # --- distributed set-up: one process per device under torchrun; a plain run needs none of it ---
+    # >>> shared: set-up
+    rank, local_rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.world_size > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    is_main = rank == 0
+    validate(args)
+    random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; responses could never end. Set tokenizer.eos_token and save it.")
+    if tokenizer.pad_token_id is None:
+        warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts, answers = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
+    eval_prompts, eval_answers = load_prompts(args.eval_dataset, args.eval_split, args, tokenizer) if args.eval_dataset else ([], [])
+    reward_fn = REWARD_FNS.get(args.reward_fn)
+    # <<< shared: set-up
+    G = args.num_generations
+    responses_per_iteration = args.rollout_batch_size * G
+    reinforce = args.num_epochs == 1 and args.minibatch_size == responses_per_iteration  # one update per rollout
+    args.num_iterations = args.total_episodes // responses_per_iteration
+    policy, ref_policy, reward_models = build_models(args, tokenizer, device)
+    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
+    # Everything besides the model and optimiser that a resumed run needs, in one place.
+    state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, score_mean=0.0, score_var=1.0, score_count=0.0)
+
+    # >>> shared: outputs and the starting policy's held-out score
+    if is_main:
+        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
+        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
+        if args.track:
+            import wandb
+
+            wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args))
+    local_batch = args.rollout_batch_size // args.world_size
+    alarms_on, t_start = set(), time.time()
+    if eval_prompts:  # logged as iteration 0: where the run starts from
+        m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device)}
+        m["time/elapsed"] = time.time() - t_start
+        if is_main:
+            print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
+            metrics_file.write(json.dumps(m) + "\n")
+            if args.track:
+                wandb.log(m, step=0)
+    # <<< shared: outputs and the starting policy's held-out score
+
+    for iteration in range(1, args.num_iterations + 1):
+        t0 = time.time()
+        # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+        # >>> shared: prompts
+        if state["data_cursor"] + args.rollout_batch_size > len(prompts):
+            state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed + state["data_epoch"])).tolist()
+        start = state["data_cursor"] + rank * local_batch
+        idx = [order[i % len(prompts)] for i in range(start, start + local_batch)]
+        state["data_cursor"] += args.rollout_batch_size
+        # <<< shared: prompts
+        idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
+        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)  # (B, P), B = local prompts x G
+        P = prompt_ids.shape[1]
+
+        # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
+        # >>> shared: generate and score
+        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature, tokenizer.eos_token_id, tokenizer.pad_token_id)  # (B, T) each
+        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, response_mask], 1)
+        t_generate = time.time() - t0
+        raw_score, rule_scores, texts = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx])  # (B,)
+        has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,)
+        # <<< shared: generate and score
+
+        with torch.no_grad():
+            score = raw_score
+            ones = torch.ones_like(score)
+            if args.normalize_reward:  # running moments over every score seen, on every process
+                batch_mean = masked_mean(score, ones).item()
+                batch_var = masked_var(score, ones).item()
+                state["score_mean"], state["score_var"], state["score_count"] = update_moments(
+                    state["score_mean"], state["score_var"], state["score_count"], batch_mean, batch_var, float(responses_per_iteration))
+                score = (score - state["score_mean"]) / (state["score_var"] ** 0.5 + 1e-8)
+            score = torch.where(has_eos, score, score - args.missing_eos_penalty)
+
+            # --- 4. the reference's log-probs, the KL-shaped reward, leave-one-out advantages, one per response ---
+            rewards = score  # (B,)
+            if ref_policy is not None:
+                logprobs_ref = response_logprobs(ref_policy, input_ids, attention_mask, P, args.temperature) * response_mask  # (B, T)
+                shaped, seq_kl = kl_shaped_rewards(score, logprobs_old, logprobs_ref, response_mask, args.kl_coef)  # (B,) each
+                rewards = score if args.kl_in_loss else shaped
+            advantages = rloo_advantages(rewards, G)  # (B,)
+            group_std = rewards.view(-1, G).std(1, unbiased=False)  # (B / G,)
+            zero_signal = zero_signal_groups(rewards, G)  # (B / G,)
+            train_mask = response_mask * ~zero_signal.repeat_interleave(G)[:, None] if args.drop_zero_signal_groups else response_mask  # (B, T)
+        t_score = time.time() - t0 - t_generate
+
+        # --- 5. optimise: epochs of shuffled minibatches, accumulated over micro-batches ---
+        local_minibatch = args.minibatch_size // args.world_size
+        sums, counts = defaultdict(float), defaultdict(float)
+        ratio_max, first_ratio_dev = torch.zeros((), device=device), None
+        for epoch in range(args.num_epochs):
+            perm = torch.randperm(len(idx), device=device)
+            for mb_start in range(0, len(idx), local_minibatch):
+                mb_idx = perm[mb_start : mb_start + local_minibatch]
+                mb_mask = train_mask[mb_idx].float()
+                mb_tokens = masked_sum_count(mb_mask, mb_mask)[1].item()  # valid tokens in the global minibatch
+                mb_sequences = masked_sum_count(mb_mask.amax(1), torch.ones_like(mb_mask[:, 0]))[0].item()  # responses it trains on
+                if mb_tokens == 0:  # every response left out (zero signal): no step, not even Adam's momentum
+                    continue
+                for micro_start in range(0, local_minibatch, args.micro_batch_size):
+                    i = mb_idx[micro_start : micro_start + args.micro_batch_size]
+                    mask = train_mask[i].float()  # (b, T)
+                    logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], P, args.temperature, return_entropy=True)
+                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, logprobs_old[i], advantages[i, None], args.clip_range_low, args.clip_range_high)
+                    if reinforce:  # the paper's -A log pi; at ratio 1 its gradient is the clipped loss's
+                        pg_loss = -advantages[i, None] * logprobs
+                    per_token = pg_loss - args.ent_coef * entropy  # (b, T)
+                    if ref_policy is not None and args.kl_in_loss:
+                        kl_term = kl_penalty(logprobs, logprobs_ref[i], args.kl_estimator)
+                        per_token = per_token + args.kl_coef * kl_term
+                        sums["policy/kl_term"] += (kl_term * mask).sum().item()
+                    loss = (per_token * loss_weights(mask, args.loss_aggregation, args.response_length, mb_sequences, mb_tokens)).sum()
+                    loss.backward()
+                    with torch.no_grad():
+                        log_ratio = (logprobs - logprobs_old[i]) * mask
+                        for key, x in (("policy/loss", pg_loss), ("policy/entropy", entropy), ("policy/clipfrac", pg_clipped),
+                                       ("policy/ratio_mean", ratio), ("policy/approx_kl", (ratio - 1) - log_ratio)):
+                            sums[key] += (x * mask).sum().item()
+                        counts["tokens"] += mask.sum().item()
+                        ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
+                        if first_ratio_dev is None:  # ~0 unless logprobs_old went stale: a free sanity check
+                            first_ratio_dev = ((ratio - 1).abs() * mask).max().item()
+                if args.world_size > 1:  # each process summed its share of the global loss
+                    for p in policy.parameters():
+                        if p.grad is not None:
+                            dist.all_reduce(p.grad)
+                sums["grad_norm/policy"] += torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
+                policy_optimizer.step()
+                policy_optimizer.zero_grad(set_to_none=True)
+                counts["steps"] += 1
+        t_optimize = time.time() - t0 - t_generate - t_score
+
+        # --- 6. the dashboard: batch statistics over all processes ---
+        # >>> shared: dashboard
+        state["iteration"], state["episodes"] = iteration, state["episodes"] + responses_per_iteration
+        tok_stats = torch.tensor([sums[k] for k in sorted(sums)] + [counts["tokens"], counts["steps"]], device=device, dtype=torch.float64)
+        if args.world_size > 1:
+            dist.all_reduce(tok_stats)
+            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+        opt = dict(zip(sorted(sums), tok_stats[:-2].tolist()))
+        n_tokens, n_steps = tok_stats[-2].item(), tok_stats[-1].item()
+        lengths = response_mask.sum(1).float()
+        token_lists = [r[: int(n)].tolist() for r, n in zip(responses, lengths)]
+        m = {
+            "iteration": iteration,
+            "episodes": state["episodes"],
+            "objective/score": global_mean(raw_score),
+            "policy/first_ratio_dev": first_ratio_dev,
+            "policy/ratio_max": ratio_max.item(),
+            "response/length": global_mean(lengths),
+            "response/eos_rate": global_mean(has_eos),
+            "response/distinct1": global_mean(torch.tensor([distinct_n(token_lists, 1)], device=device)),
+            "response/distinct2": global_mean(torch.tensor([distinct_n(token_lists, 2)], device=device)),
+            "time/generate": t_generate,
+            "time/score": t_score,
+            "time/optimize": t_optimize,
+            "time/iteration": time.time() - t0,
+        }
+        if rule_scores is not None:
+            m["objective/accuracy"] = global_mean(rule_scores)
+        m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in opt.items()})
+        m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
+        # <<< shared: dashboard
+        m.update({
+            "objective/group_reward_std": global_mean(group_std),
+            "adv/zero_signal_fraction": global_mean(zero_signal),
+            "adv/abs_mean": global_mean(advantages.abs()),
+        })
+        m["objective/score_normalized"] = global_mean(score)
+        if ref_policy is not None:
+            m["objective/kl"] = global_mean(seq_kl)  # nats per response, as in ppo.py
+            m["objective/kl_coef"] = args.kl_coef
+            m["objective/rlhf_reward"] = global_mean(raw_score - args.kl_coef * seq_kl)
+
+        # --- 7. held-out score, alarms for the classic failure modes, the log ---
+        # >>> shared: evaluate, alarms, log and save
+        if eval_prompts and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
+            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device))
+        m["time/elapsed"] = time.time() - t_start
+        firing = failure_alarms(m, state, args)
+        m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
+        if is_main:
+            shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
+            print(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}", flush=True)
+            for name, on in firing.items():
+                if on and name not in alarms_on:
+                    print(f"ALARM {name}: {ALARMS[name]}", flush=True)
+            metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()
+            if args.track:
+                wandb.log(m, step=state["episodes"])
+            if iteration % args.log_samples_every == 0 or iteration == 1:
+                samples = list(zip(tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True), texts[:3], raw_score[:3].tolist()))
+                for p, r, s in samples:
+                    print(f"    {s:+.2f} | {p!r} -> {r!r}")
+                if args.track:
+                    wandb.log({"samples": wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])}, step=state["episodes"])
+        alarms_on = {name for name, on in firing.items() if on}
+
+    # --- last: save the final policy where from_pretrained can load it ---
+    if is_main:
+        metrics_file.close()
+        policy.save_pretrained(args.output_dir)
+        tokenizer.save_pretrained(args.output_dir)
+        print(f"saved the policy to {args.output_dir}")
+        if args.track:
+            wandb.finish()
+    if args.world_size > 1:
+        dist.destroy_process_group()
+    # <<< shared: evaluate, alarms, log and save
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True))
