@@ -2,8 +2,8 @@
 down by how it scored against its own group, with PPO's clipped steps and a KL term to the reference.
 
 Group Relative Policy Optimisation (Shao et al., 2024, DeepSeekMath, arXiv:2402.03300) is ppo.py without
-the critic: the baseline of a response is the mean score of the other responses to the same prompt, and
-its advantage, (r_i - mean) / std over the group, is given to every one of its tokens. The clipped
+the critic: the baseline of a response is the mean score of its group, the G responses to the same prompt,
+and its advantage, (r_i - mean) / std over the group, is given to every one of its tokens. The clipped
 surrogate of PPO (Schulman et al., 2017) still bounds each step; the KL to the frozen reference is a term
 of the loss instead of a per-token reward. `diff ppo.py grpo.py` shows exactly what GRPO changes.
 
@@ -53,8 +53,6 @@ class Args:
     """where metrics.jsonl, args.json and the final policy are written"""
     dataset: str = "assets/arithmetic/train.jsonl"
     """training prompts: a local .json/.jsonl file, or a hub dataset name"""
-    eval_dataset: Optional[str] = "assets/arithmetic/test.jsonl"
-    """held-out prompts scored every --eval_every iterations (same format as --dataset); none to skip"""
     reward_model_path: tuple[str, ...] = ()
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: Optional[str] = "arithmetic"
@@ -75,6 +73,8 @@ class Args:
     """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
     dataset_split: str = "train"
     """split of a hub --dataset"""
+    eval_dataset: Optional[str] = None
+    """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
     eval_split: str = "test"
     """split of a hub --eval_dataset"""
     prompt_field: str = "prompt"
@@ -96,7 +96,7 @@ class Args:
     ent_coef: float = 0.0
     """weight of the entropy bonus (c2, 0 to 0.01)"""
     eval_every: int = 10
-    """score the held-out prompts every this many iterations (and before the first and after the last)"""
+    """score the held-out prompts every this many iterations (and before the first and after the last); 0: never"""
     eval_batch_size: int = 100
     """held-out prompts per generation call"""
     log_samples_every: int = 10
@@ -110,19 +110,19 @@ class Args:
     # <<< shared: arguments
 
     # GRPO: groups, the clipped surrogate, the KL term in the loss
-    total_episodes: int = 38400
+    total_episodes: int = 256000
     """responses sampled over the whole run"""
-    rollout_batch_size: int = 16
+    rollout_batch_size: int = 32
     """prompts per iteration, over all processes; each is sampled num_generations times"""
     num_generations: int = 8
     """G, responses per prompt: the group whose mean (and std) is each response's baseline"""
-    minibatch_size: int = 32
+    minibatch_size: int = 64
     """responses per optimiser step, over all processes"""
-    micro_batch_size: int = 32
+    micro_batch_size: int = 64
     """responses per forward/backward in one process (gradient accumulation makes up the minibatch)"""
-    num_epochs: int = 2
+    num_epochs: int = 1
     """passes over each rollout; with several minibatches per pass the clip has something to do"""
-    learning_rate: float = 1e-4
+    learning_rate: float = 2e-4
     """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
     clip_range_low: float = 0.2
     """ratios below 1 - clip_range_low stop pushing a token down"""
@@ -431,6 +431,15 @@ def load_prompts(path, split, args, tokenizer):
     return prompts, answers
 
 
+def held_out_dataset(args):
+    """Where the held-out prompts come from: --eval_dataset, else the test.jsonl beside a local train.jsonl
+    --dataset (the embedded prompt sets are laid out so); none when --eval_every is 0 or nothing fits."""
+    if args.eval_every == 0 or args.eval_dataset:
+        return args.eval_dataset if args.eval_every else None
+    beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
+    return beside if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside) else None
+
+
 def left_pad(sequences, pad_token_id, device):
     """Token lists to a left-padded (B, P) tensor and its attention mask."""
     width = max(len(s) for s in sequences)
@@ -470,8 +479,10 @@ def validate(args):
 # >>> shared: checks and alarms
 def check_common_args(args, responses_per_iteration):
     """The checks every script shares; the output folder last, so that nothing is created for a run that cannot start."""
+    if args.eval_every < 0:
+        raise SystemExit(f"--eval_every must be 0 (never) or more (got {args.eval_every}).")
     for name in ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
-                 "eval_every", "eval_batch_size", "log_samples_every"):
+                 "eval_batch_size", "log_samples_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
     for name in ("max_grad_norm", "temperature"):
@@ -561,7 +572,8 @@ def main(args):
         warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
         tokenizer.pad_token = tokenizer.eos_token
     prompts, answers = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
-    eval_prompts, eval_answers = load_prompts(args.eval_dataset, args.eval_split, args, tokenizer) if args.eval_dataset else ([], [])
+    eval_path = held_out_dataset(args)
+    eval_prompts, eval_answers = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
     reward_fn = REWARD_FNS.get(args.reward_fn)
     # <<< shared: set-up
     G = args.num_generations

@@ -54,8 +54,6 @@ class Args:
     """where metrics.jsonl, args.json and the final policy are written"""
     dataset: str = "assets/reviews/train.jsonl"
     """training prompts: a local .json/.jsonl file, or a hub dataset name"""
-    eval_dataset: Optional[str] = "assets/reviews/test.jsonl"
-    """held-out prompts scored every --eval_every iterations (same format as --dataset); none to skip"""
     reward_model_path: tuple[str, ...] = ("assets/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: Optional[str] = None
@@ -76,6 +74,8 @@ class Args:
     """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
     dataset_split: str = "train"
     """split of a hub --dataset"""
+    eval_dataset: Optional[str] = None
+    """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
     eval_split: str = "test"
     """split of a hub --eval_dataset"""
     prompt_field: str = "prompt"
@@ -97,7 +97,7 @@ class Args:
     ent_coef: float = 0.0
     """weight of the entropy bonus (c2, 0 to 0.01)"""
     eval_every: int = 10
-    """score the held-out prompts every this many iterations (and before the first and after the last)"""
+    """score the held-out prompts every this many iterations (and before the first and after the last); 0: never"""
     eval_batch_size: int = 100
     """held-out prompts per generation call"""
     log_samples_every: int = 10
@@ -462,6 +462,15 @@ def load_prompts(path, split, args, tokenizer):
     return prompts, answers
 
 
+def held_out_dataset(args):
+    """Where the held-out prompts come from: --eval_dataset, else the test.jsonl beside a local train.jsonl
+    --dataset (the embedded prompt sets are laid out so); none when --eval_every is 0 or nothing fits."""
+    if args.eval_every == 0 or args.eval_dataset:
+        return args.eval_dataset if args.eval_every else None
+    beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
+    return beside if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside) else None
+
+
 def left_pad(sequences, pad_token_id, device):
     """Token lists to a left-padded (B, P) tensor and its attention mask."""
     width = max(len(s) for s in sequences)
@@ -507,8 +516,10 @@ def validate(args):
 # >>> shared: checks and alarms
 def check_common_args(args, responses_per_iteration):
     """The checks every script shares; the output folder last, so that nothing is created for a run that cannot start."""
+    if args.eval_every < 0:
+        raise SystemExit(f"--eval_every must be 0 (never) or more (got {args.eval_every}).")
     for name in ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
-                 "eval_every", "eval_batch_size", "log_samples_every"):
+                 "eval_batch_size", "log_samples_every"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
     for name in ("max_grad_norm", "temperature"):
@@ -598,7 +609,8 @@ def main(args):
         warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
         tokenizer.pad_token = tokenizer.eos_token
     prompts, answers = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
-    eval_prompts, eval_answers = load_prompts(args.eval_dataset, args.eval_split, args, tokenizer) if args.eval_dataset else ([], [])
+    eval_path = held_out_dataset(args)
+    eval_prompts, eval_answers = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
     reward_fn = REWARD_FNS.get(args.reward_fn)
     # <<< shared: set-up
     responses_per_iteration = args.rollout_batch_size

@@ -1,16 +1,14 @@
 """grpo.py against independent references: the seed's worked example, plain loops, hand computations, and the
 definitions of the KL estimators."""
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import grpo
+from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,13 +162,9 @@ def test_bad_arguments(kw, message, tmp_path):
 
 def run_grpo(tmp_path, *extra):
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--total_episodes", "64", "--rollout_batch_size", "4", "--num_generations", "8",
-           "--minibatch_size", "16", "--micro_batch_size", "8", "--eval_dataset", "assets/arithmetic/test.jsonl", "--output_dir", str(out), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    env.pop("USE_HUB_KERNELS", None)
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = run_script("grpo.py", out, "--total_episodes", "64", "--rollout_batch_size", "4", "--num_generations", "8",
+                         "--minibatch_size", "16", "--micro_batch_size", "8", *extra)
+    return out, rows
 
 
 def moved(out):
@@ -196,7 +190,7 @@ def test_smoke_run_on_embedded_default(tmp_path):
 def test_zero_signal_groups_are_left_out_of_the_update(tmp_path):
     # Near-greedy sampling makes every group's answers identical, so every group is zero-signal. An entropy
     # bonus would still move the policy, unless those groups are dropped, in which case no step is taken.
-    common = ("--temperature", "0.01", "--ent_coef", "0.01", "--kl_coef", "0", "--total_episodes", "32", "--eval_dataset", "assets/arithmetic/test.jsonl")
+    common = ("--temperature", "0.01", "--ent_coef", "0.01", "--kl_coef", "0", "--total_episodes", "32")
     out, rows = run_grpo(tmp_path / "kept", *common)
     assert rows[1]["adv/zero_signal_fraction"] == 1.0 and moved(out) > 0
     out, rows = run_grpo(tmp_path / "dropped", *common, "--drop_zero_signal_groups")

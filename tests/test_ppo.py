@@ -2,14 +2,13 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 import ppo
+from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 0, 1
@@ -345,20 +344,15 @@ def test_bad_datasets(tmp_path):
 # ---------------------------------------------------------------- the script, end to end
 
 
-def run_script(tmp_path, *extra):
+def run_ppo(tmp_path, *extra):
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "ppo.py"), "--total_episodes", "16", "--rollout_batch_size", "8", "--minibatch_size", "4",
-           "--micro_batch_size", "2", "--num_epochs", "2", "--response_length", "8", "--output_dir", str(out), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    env.pop("USE_HUB_KERNELS", None)  # transformers' own default (hub kernels on since 5.25) must not matter
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out, result.stdout + result.stderr
+    rows, output = run_script("ppo.py", out, "--total_episodes", "16", "--rollout_batch_size", "8", "--minibatch_size", "4",
+                              "--micro_batch_size", "2", "--num_epochs", "2", "--response_length", "8", *extra)
+    return out, rows, output
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
-    out, stdout = run_script(tmp_path)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    out, rows, stdout = run_ppo(tmp_path)
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0: the starting policy's held-out score
     assert "eval/score" in rows[0] and "eval/score" not in rows[1] and "eval/score" in rows[2]  # before training, then after the last
     assert -5 < rows[0]["eval/score"] < 5 and -5 < rows[0]["eval/score_greedy"] < 5
@@ -380,8 +374,7 @@ def test_smoke_run_on_embedded_default(tmp_path):
 
 def test_smoke_run_with_rule_reward(tmp_path):
     # --hub_kernels too: on a CPU transformers has no hub kernel to swap in, so it must run offline all the same
-    out, _ = run_script(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--eval_dataset", "assets/arithmetic/test.jsonl", "--reward_fn", "arithmetic", "--reward_model_path", "--hub_kernels")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    out, rows, _ = run_ppo(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path", "--hub_kernels")
     assert all(0.0 <= r["objective/score"] <= 1.0 for r in rows[1:])  # an exact-match reward, no reward model
     # the held-out score of a rule reward is an accuracy over the 400 test prompts
     assert all(0.0 <= rows[i][k] <= 1.0 and rows[i][k] * 400 == pytest.approx(round(rows[i][k] * 400)) for i in (0, -1) for k in ("eval/score", "eval/score_greedy"))
@@ -400,9 +393,19 @@ def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
     tokenizer.pad_token = None
     tokenizer.save_pretrained(policy_dir)
     assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None
-    out, output = run_script(tmp_path, "--model_name_or_path", str(policy_dir))
+    _, rows, output = run_ppo(tmp_path, "--model_name_or_path", str(policy_dir))
     assert "no pad token; using EOS as pad" in output
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = rows[1:]
     # With pad == EOS the mask, not the token id, ends a response: lengths stay within bounds and the
     # sampled log-probs still agree with the training forward pass.
     assert all(1 <= r["response/length"] <= 8 and r["policy/first_ratio_dev"] < 1e-4 for r in rows)
+
+
+def test_held_out_dataset_defaults_to_the_test_split_beside_the_training_file(tmp_path):
+    arithmetic = os.path.join(ROOT, "assets", "arithmetic")
+    assert ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"))) == os.path.join(arithmetic, "test.jsonl")
+    assert ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"), eval_dataset="x.jsonl")) == "x.jsonl"
+    assert ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"), eval_every=0)) is None
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n")
+    assert ppo.held_out_dataset(args_with(dataset=str(tmp_path / "prompts.jsonl"))) is None  # no train/test layout: no evaluation
+    assert ppo.held_out_dataset(args_with(dataset="someone/reviews")) is None

@@ -1,17 +1,12 @@
 """rloo.py against independent references: the leave-one-out baseline as a plain loop, its closed form, the
 KL-shaped reward by hand, and REINFORCE against the clipped loss at ratio 1."""
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import rloo
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import run_script
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
@@ -66,14 +61,8 @@ def test_bad_arguments(tmp_path):
 
 
 def run_rloo(tmp_path, *extra):
-    out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "rloo.py"), "--total_episodes", "32", "--rollout_batch_size", "4", "--num_generations", "4",
-           "--minibatch_size", "16", "--micro_batch_size", "8", "--response_length", "8", "--output_dir", str(out), *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    env.pop("USE_HUB_KERNELS", None)
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return run_script("rloo.py", tmp_path / "run", "--total_episodes", "32", "--rollout_batch_size", "4", "--num_generations", "4",
+                      "--minibatch_size", "16", "--micro_batch_size", "8", "--response_length", "8", *extra)[0]
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
