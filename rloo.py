@@ -115,7 +115,7 @@ class Args:
     """k, responses per prompt: each one's baseline is the mean score of the other k - 1"""
     minibatch_size: int = 64
     """responses per optimiser step, over all processes"""
-    micro_batch_size: int = 32
+    micro_batch_size: int = 64
     """responses per forward/backward in one process (gradient accumulation makes up the minibatch)"""
     num_epochs: int = 1
     """passes over each rollout; more than one update per rollout switches REINFORCE to the clipped loss"""
