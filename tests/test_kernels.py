@@ -1,7 +1,6 @@
 """rlhf_kernels.token_logprobs against an fp64 torch reference, on the torch path and on the Triton path
 (under TRITON_INTERPRET=1 on CPU, set by conftest.py). Shapes are kept small: the interpreter is slow."""
 import importlib.util
-import warnings
 
 import pytest
 import torch
