@@ -29,12 +29,16 @@ Commands:
 import json
 import os
 import random
+import shlex
+import shutil
+import signal
+import sys
 import tempfile
 import time
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -108,6 +112,16 @@ class Args:
     """warn when the clip fraction passes this (steps too large)"""
     alarm_collapse: float = 0.5
     """warn when entropy or distinct-2 falls below this fraction of its first value (mode collapse)"""
+    save_every: int = 50
+    """write a checkpoint every this many iterations, and always at the end and on SIGTERM or Ctrl-C"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep in --output_dir"""
+    resume: Optional[str] = None
+    """continue from a checkpoint folder, or 'auto': the newest one in --output_dir (none there: start afresh)"""
+    max_bad_steps: int = 3
+    """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
+    on_reward_error: Literal["stop", "penalty"] = "stop"
+    """a reward that raises or is not a finite number: stop, or score it --missing_eos_penalty below the batch minimum"""
     # <<< shared: arguments
 
     # PPO: batches, the critic, GAE, the KL penalty in the reward
@@ -343,16 +357,50 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_t
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
 
 
+def call_reward_fn(reward_fn, texts, answers):
+    """A rule reward is user code. When the call on the batch fails (an exception, a wrong number of scores),
+    it is called again one response at a time, so that each failure is pinned on its response. Returns the
+    scores (nan where there is none) and what went wrong first."""
+    try:
+        scores = [float(x) for x in reward_fn(texts, answers)]
+        if len(scores) == len(texts):
+            return scores, "not a finite number"
+    except Exception:
+        pass
+    scores, why = [], None
+    for text, answer in zip(texts, answers):
+        try:
+            one = [float(x) for x in reward_fn([text], [answer])]
+            if len(one) != 1:
+                raise ValueError(f"{len(one)} scores for one response")
+            scores.append(one[0])
+        except Exception as e:
+            scores.append(float("nan"))
+            why = why or f"an error ({type(e).__name__}: {e})"
+    return scores, why or "not a finite number"
+
+
 @torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, answers):
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, answers, args):
     """The raw score of each full response (B,): the reward models read the last real token (the EOS), the
-    rule reads the decoded text. Also returns the rule's own scores (or None) and the texts."""
+    rule reads the decoded text. Also returns the rule's own scores (or None), the texts, and how many
+    responses had no valid score (they stop the run, or with --on_reward_error penalty score below the rest)."""
     last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) index of the final response token
     rows = torch.arange(len(responses), device=responses.device)
     rm_scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]  # K x (B,)
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    rule_scores = torch.tensor(reward_fn(texts, answers), device=responses.device) if reward_fn else None
-    return combine_scores(rm_scores, rule_scores), rule_scores, texts
+    rule_scores, why = call_reward_fn(reward_fn, texts, answers) if reward_fn else (None, "not a finite number")
+    rule_scores = torch.tensor(rule_scores, device=responses.device) if reward_fn else None
+    score = combine_scores(rm_scores, rule_scores)
+    bad = ~torch.isfinite(score)
+    if bad.any():
+        i = bad.nonzero()[0, 0].item()
+        prompt = tokenizer.decode(input_ids[i, : input_ids.shape[1] - responses.shape[1]], skip_special_tokens=True)
+        if args.on_reward_error == "stop" or bad.all():
+            raise SystemExit(f"the reward of the response {texts[i]!r} to the prompt {prompt!r} is {why}; fix the reward, or pass "
+                             "--on_reward_error penalty to score such responses below the rest of the batch.")
+        score = torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score)
+    return score, rule_scores.nan_to_num(0.0) if reward_fn else None, texts, int(bad.sum())
 
 
 @torch.no_grad()
@@ -370,7 +418,7 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, prompts, answers, args
             responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
                                                    tokenizer.eos_token_id, tokenizer.pad_token_id, greedy, generator)
             input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
-            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx])[0])
+            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx], args)[0])
         result[name] = global_mean(torch.cat(scores))
     return result
 
@@ -516,10 +564,11 @@ def validate(args):
 # >>> shared: checks and alarms
 def check_common_args(args, responses_per_iteration):
     """The checks every script shares; the output folder last, so that nothing is created for a run that cannot start."""
-    if args.eval_every < 0:
-        raise SystemExit(f"--eval_every must be 0 (never) or more (got {args.eval_every}).")
+    for name in ("eval_every", "save_every"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"--{name} must be 0 (never) or more (got {getattr(args, name)}).")
     for name in ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
-                 "eval_batch_size", "log_samples_every"):
+                 "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
     for name in ("max_grad_norm", "temperature"):
@@ -545,6 +594,7 @@ def check_common_args(args, responses_per_iteration):
     check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
     for p in args.reward_model_path:
         check_model_path(p, "classifier", "--reward_model_path")
+    find_checkpoint(args)
     try:  # a folder that cannot be written would otherwise fail only when the first metrics are written
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
@@ -584,6 +634,138 @@ ALARMS = {
 # <<< shared: checks and alarms
 
 
+# >>> shared: checkpoints, stop signals and bad steps
+# What may differ between a run and its resumption; every other argument must be the same.
+RESUMABLE = ("resume", "num_iterations", "output_dir", "total_episodes", "save_every", "keep_checkpoints", "max_bad_steps", "on_reward_error",
+             "track", "wandb_project", "exp_name", "log_samples_every")
+
+
+def checkpoints_in(folder):
+    """The finished checkpoints in folder, oldest first (a save cut short is left under a '.tmp' name)."""
+    names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and n[11:].isdigit()] if os.path.isdir(folder) else []
+    return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[11:]))]
+
+
+def find_checkpoint(args):
+    """Turn --resume into a checkpoint folder (or None) and check it against the arguments, before any model loads."""
+    if args.resume == "auto":
+        args.resume = (checkpoints_in(args.output_dir) or [None])[-1]
+        print(f"--resume auto: {f'resuming from {args.resume}' if args.resume else f'no checkpoint in {args.output_dir}, starting afresh'}")
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "trainer.pt")):
+        raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no trainer.pt); pass an {args.output_dir}/checkpoint-N folder, or auto.")
+    saved = json.load(open(os.path.join(args.resume, "args.json"))) if args.resume else {}
+    changed = [k for k in saved if k not in RESUMABLE and saved[k] != json.loads(json.dumps(asdict(args))).get(k)]
+    if changed:
+        raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass those of its args.json "
+                         f"(only {', '.join('--' + k for k in RESUMABLE[2:])} may change).")
+
+
+def rng_states():
+    return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def save_checkpoint(args, models, optimizers, state, rng, rank):
+    """Everything a resumed run needs (trained models, optimisers, the state, each process's random-number states,
+    the log so far), written under a temporary name and then renamed: a kill during a save leaves the previous
+    checkpoint whole. Then all but the newest --keep_checkpoints are deleted."""
+    path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
+    tmp = path + ".tmp"
+    if os.path.isdir(path):  # this very state is saved already (a stop right after resuming)
+        return path
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
+        json.dump(asdict(args), open(os.path.join(tmp, "args.json"), "w"), indent=2)
+        torch.save({"state": state, "models": {k: m.state_dict() for k, m in models.items()},
+                    "optimizers": {k: o.state_dict() for k, o in optimizers.items()}}, os.path.join(tmp, "trainer.pt"))
+    if args.world_size > 1:
+        dist.barrier()  # the folder exists
+    torch.save(rng, os.path.join(tmp, f"rng-{rank}.pt"))
+    if args.world_size > 1:
+        dist.barrier()  # every process has written
+    if rank == 0:
+        os.rename(tmp, path)
+        for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints]:
+            shutil.rmtree(old)
+    return path
+
+
+def load_checkpoint(path, models, optimizers, rank):
+    """Put the models, optimisers and random-number generators back as they were saved; returns the state."""
+    saved, rng = torch.load(os.path.join(path, "trainer.pt")), torch.load(os.path.join(path, f"rng-{rank}.pt"))
+    for k in models:
+        models[k].load_state_dict(saved["models"][k])
+        optimizers[k].load_state_dict(saved["optimizers"][k])
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return saved["state"]
+
+
+def catch_stop_signals():
+    """SIGTERM (a cluster taking the machine back) or Ctrl-C asks the run to stop where it can save; a second
+    one ends it at once, leaving the last checkpoint as it is. Returns the list of the signals received."""
+    received = []
+
+    def on_signal(signum, frame):
+        if received:
+            os._exit(128 + signum)
+        received.append(signum)
+        print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (send it again to quit at once)", flush=True)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return received
+
+
+def stop_and_save(received, args, models, optimizers, state, rng, rank, device):
+    """When any process was signalled, every process saves this state and the run exits (non-zero)."""
+    signum = torch.tensor(received[:1] or [0], device=device)
+    if args.world_size > 1:
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    if signum.item():
+        path = save_checkpoint(args, models, optimizers, state, rng, rank)
+        command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
+        if rank == 0:
+            print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} --resume {path}", flush=True)
+        raise SystemExit(128 + signum.item())
+
+
+def step_is_finite(grad_norms, state, iteration, args):
+    """A non-finite gradient norm (from a non-finite loss, advantage or value) skips the optimiser step, leaving
+    the weights and optimiser states as they were; --max_bad_steps in a row stop the run."""
+    state["bad_steps"] = 0 if all(torch.isfinite(n) for n in grad_norms) else state["bad_steps"] + 1
+    state["skipped_steps"] += state["bad_steps"] > 0
+    if state["bad_steps"] == 1:
+        print(f"iteration {iteration}: a non-finite loss or gradient; optimiser steps are skipped until a finite one", flush=True)
+    if state["bad_steps"] >= args.max_bad_steps:
+        raise SystemExit(f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration {iteration}); the usual causes "
+                         "are a learning rate too high (lower it), rewards of a large scale (normalise them), bf16 or fp16 overflow (--model_dtype float32).")
+    return state["bad_steps"] == 0
+
+
+def start_wandb(args, state):
+    """wandb, logging offline (upload later with `wandb sync`) when its server cannot be reached within seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    import wandb
+
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        if os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+            socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
+    except OSError:
+        print(f"wandb: {url.hostname} cannot be reached; logging offline under {args.output_dir}/wandb (upload it later with `wandb sync`)")
+        os.environ["WANDB_MODE"] = "offline"
+    state["wandb_id"] = state.get("wandb_id") or wandb.util.generate_id()  # a resumed run goes on in the same wandb run
+    wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args), id=state["wandb_id"], resume="allow", dir=args.output_dir, save_code=True)
+    return wandb
+# <<< shared: checkpoints, stop signals and bad steps
+
+
 # What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
 PRINTED = [("score", "objective/score", "+.3f"), ("acc", "objective/accuracy", ".3f"), ("kl", "objective/kl", ".2f"), ("beta", "objective/kl_coef", ".3f"), ("len", "response/length", ".1f"),
            ("eos", "response/eos_rate", ".2f"), ("d2", "response/distinct2", ".2f"), ("ent", "policy/entropy", ".2f"), ("clip", "policy/clipfrac", ".3f"),
@@ -618,21 +800,24 @@ def main(args):
     policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
     policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
     value_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5)
+    models, optimizers = {"policy": policy, "value": value_model}, {"policy": policy_optimizer, "value": value_optimizer}
     # Everything besides the models and optimisers that a resumed run needs, in one place.
-    state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0, score_count=0.0)
+    state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0, score_count=0.0,
+                 alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
+    if args.resume:
+        state = load_checkpoint(args.resume, models, optimizers, rank)
 
     # >>> shared: outputs and the starting policy's held-out score
     if is_main:
         with open(os.path.join(args.output_dir, "args.json"), "w") as f:
             json.dump(asdict(args), f, indent=2)
-        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "w")
-        if args.track:
-            import wandb
-
-            wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args))
+        if args.resume:  # the log as far as the checkpoint goes, then on from there
+            shutil.copy(os.path.join(args.resume, "metrics.jsonl"), os.path.join(args.output_dir, "metrics.jsonl"))
+        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if args.resume else "w")
+        wandb = start_wandb(args, state) if args.track else None
     local_batch = args.rollout_batch_size // args.world_size
-    alarms_on, t_start = set(), time.time()
-    if eval_prompts:  # logged as iteration 0: where the run starts from
+    t_start, received = time.time() - state["elapsed"], catch_stop_signals()
+    if eval_prompts and not args.resume:  # logged as iteration 0: where the run starts from
         m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device)}
         m["time/elapsed"] = time.time() - t_start
         if is_main:
@@ -642,8 +827,8 @@ def main(args):
                 wandb.log(m, step=0)
     # <<< shared: outputs and the starting policy's held-out score
 
-    for iteration in range(1, args.num_iterations + 1):
-        t0 = time.time()
+    for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
+        t0, state_before, rng_before = time.time(), dict(state), rng_states()  # what a stop before the update saves
         # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
         # >>> shared: prompts
         if state["data_cursor"] + args.rollout_batch_size > len(prompts):
@@ -662,8 +847,10 @@ def main(args):
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
-        raw_score, rule_scores, texts = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx])  # (B,)
+        raw_score, rule_scores, texts, reward_errors = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
+                                                                       response_mask, [answers[i] for i in idx], args)  # (B,)
         has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,)
+        stop_and_save(received, args, models, optimizers, state_before, rng_before, rank, device)  # a signal so far: drop this rollout
         # <<< shared: generate and score
 
         with torch.no_grad():
@@ -715,13 +902,18 @@ def main(args):
                         ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
                         if first_ratio_dev is None:  # ~0 unless logprobs_old went stale: a free sanity check
                             first_ratio_dev = ((ratio - 1).abs() * mask).max().item()
-                for model, optimizer in ((policy, policy_optimizer), (value_model, value_optimizer)):
+                norms = []
+                for name, model in models.items():
                     if args.world_size > 1:  # each process summed its share of the global token mean
                         for p in model.parameters():
                             if p.grad is not None:
                                 dist.all_reduce(p.grad)
-                    sums[f"grad_norm/{'policy' if model is policy else 'value'}"] += torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
-                    optimizer.step()
+                    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+                    sums[f"grad_norm/{name}"] += norms[-1].item()
+                finite = step_is_finite(norms, state, iteration, args)
+                for optimizer in optimizers.values():
+                    if finite:
+                        optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 counts["steps"] += 1
         t_optimize = time.time() - t0 - t_generate - t_score
@@ -751,6 +943,8 @@ def main(args):
             "time/score": t_score,
             "time/optimize": t_optimize,
             "time/iteration": time.time() - t0,
+            "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
+            "health/skipped_steps": state["skipped_steps"],
         }
         if rule_scores is not None:
             m["objective/accuracy"] = global_mean(rule_scores)
@@ -779,14 +973,14 @@ def main(args):
         # >>> shared: evaluate, alarms, log and save
         if eval_prompts and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
             m.update(evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device))
-        m["time/elapsed"] = time.time() - t_start
+        m["time/elapsed"] = state["elapsed"] = time.time() - t_start
         firing = failure_alarms(m, state, args)
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
         if is_main:
             shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
             print(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}", flush=True)
             for name, on in firing.items():
-                if on and name not in alarms_on:
+                if on and name not in state["alarms_on"]:
                     print(f"ALARM {name}: {ALARMS[name]}", flush=True)
             metrics_file.write(json.dumps(m) + "\n")
             metrics_file.flush()
@@ -798,7 +992,10 @@ def main(args):
                     print(f"    {s:+.2f} | {p!r} -> {r!r}")
                 if args.track:
                     wandb.log({"samples": wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])}, step=state["episodes"])
-        alarms_on = {name for name, on in firing.items() if on}
+        state["alarms_on"] = [name for name, on in firing.items() if on]
+        if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
+            save_checkpoint(args, models, optimizers, state, rng_states(), rank)
+        stop_and_save(received, args, models, optimizers, state, rng_states(), rank, device)
 
     # --- last: save the final policy where from_pretrained can load it ---
     if is_main:
