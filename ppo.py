@@ -365,8 +365,9 @@ def call_reward_fn(reward_fn, texts, answers):
         scores = [float(x) for x in reward_fn(texts, answers)]
         if len(scores) == len(texts):
             return scores, "not a finite number"
-    except Exception:
-        pass
+        batch_error = f"{len(scores)} scores for {len(texts)} responses"
+    except Exception as e:
+        batch_error = f"{type(e).__name__}: {e}"
     scores, why = [], None
     for text, answer in zip(texts, answers):
         try:
@@ -377,7 +378,9 @@ def call_reward_fn(reward_fn, texts, answers):
         except Exception as e:
             scores.append(float("nan"))
             why = why or f"an error ({type(e).__name__}: {e})"
-    return scores, why or "not a finite number"
+    if why is None:
+        raise SystemExit(f"the reward function fails on the whole batch ({batch_error}) but not on any one response; it must return one score per response.")
+    return scores, why
 
 
 @torch.no_grad()
@@ -577,8 +580,9 @@ def check_common_args(args, responses_per_iteration):
     for name in ("ent_coef", "missing_eos_penalty"):
         if not getattr(args, name) >= 0:
             raise SystemExit(f"--{name} must be zero or more (got {getattr(args, name)}).")
-    if responses_per_iteration % args.world_size or args.minibatch_size % args.world_size:
-        raise SystemExit(f"the {responses_per_iteration} responses per iteration and --minibatch_size {args.minibatch_size} must be multiples of the {args.world_size} processes.")
+    if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
+        raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} (prompts, each process sampling whole groups) and --minibatch_size "
+                         f"{args.minibatch_size} must be multiples of the {args.world_size} processes.")
     if responses_per_iteration % args.minibatch_size:
         raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide the {responses_per_iteration} responses per iteration; pick sizes where it does.")
     if (args.minibatch_size // args.world_size) % args.micro_batch_size:
@@ -760,7 +764,7 @@ def start_wandb(args, state):
     except OSError:
         print(f"wandb: {url.hostname} cannot be reached; logging offline under {args.output_dir}/wandb (upload it later with `wandb sync`)")
         os.environ["WANDB_MODE"] = "offline"
-    state["wandb_id"] = state.get("wandb_id") or wandb.util.generate_id()  # a resumed run goes on in the same wandb run
+    state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in the same wandb run
     wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args), id=state["wandb_id"], resume="allow", dir=args.output_dir, save_code=True)
     return wandb
 # <<< shared: checkpoints, stop signals and bad steps

@@ -1,0 +1,389 @@
+"""Never losing a run, in all three scripts: a run stopped by SIGTERM and resumed writes the same log and the same
+weights as one never stopped; a kill during a save leaves the previous checkpoint; non-finite steps are skipped;
+a failing reward function is named; the same seed gives the same run; nothing opens a socket; bad input stops
+with one sentence before any model loads.
+
+Why a resumed run is bitwise the same run on a CPU: everything random is drawn from generators whose states the
+checkpoint holds (the global torch and Python generators that sample responses and shuffle minibatches), or from
+generators seeded afresh from the seed (the data order, from seed + data epoch; evaluation, from the seed); the
+models and Adam states are saved exactly; and CPU kernels are deterministic for a fixed thread count."""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+import grpo
+import ppo
+import rloo
+from helpers import ROOT, run_script
+
+MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
+# Six iterations each, in seconds on two cores. PPO also evaluates, on a small held-out set (its own generator
+# must not disturb the run's).
+TINY = {
+    "ppo.py": dict(total_episodes=48, rollout_batch_size=8, minibatch_size=4, micro_batch_size=4, num_epochs=2, response_length=8, eval_every=3),
+    "grpo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8, response_length=8, eval_every=0),
+    "rloo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8, response_length=8, eval_every=0),
+}
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+
+
+def cli(script, **extra):
+    return [x for k, v in {**TINY[script], **extra}.items() for x in (f"--{k}", str(v))]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def read_rows(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def final_state(out, iteration=6):
+    """The saved policy and the last checkpoint's models and optimiser states."""
+    saved = torch.load(os.path.join(out, f"checkpoint-{iteration}", "trainer.pt"))
+    return load_file(os.path.join(out, "model.safetensors")), saved["models"], saved["optimizers"]
+
+
+def assert_bitwise_equal(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_bitwise_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def launch(script, out, args, prelude=None):
+    """The script in a subprocess, optionally under a prelude file that patches something first."""
+    head = [sys.executable, prelude] if prelude else [sys.executable]
+    return subprocess.Popen([*head, os.path.join(ROOT, script), "--output_dir", str(out), *args], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(condition, proc, timeout=240):
+    start = time.time()
+    while not condition():
+        assert proc.poll() is None, f"the run ended before it could be stopped:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() - start < timeout
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_held_out_set(tmp_path_factory):
+    path = tmp_path_factory.mktemp("held_out") / "test.jsonl"
+    path.write_text("".join(open(os.path.join(ROOT, "assets", "reviews", "test.jsonl")).readlines()[:16]))
+    TINY["ppo.py"]["eval_dataset"] = str(path)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Each script's tiny run, never stopped (computed once per script)."""
+    runs = {}
+
+    def get(script):
+        if script not in runs:
+            out = tmp_path_factory.mktemp(script.replace(".", "_"))
+            rows, _ = run_script(script, out, *cli(script, save_every=3))
+            runs[script] = (out, without_timing(rows), final_state(out))
+        return runs[script]
+
+    return get
+
+
+@pytest.mark.parametrize("script", list(MODULES))
+def test_sigterm_then_resume_is_the_same_run(script, tmp_path, uninterrupted):
+    _, full_rows, full_state = uninterrupted(script)
+    out = tmp_path / "run"
+    proc = launch(script, out, cli(script, save_every=3))
+    first_rows = 2 if TINY[script]["eval_every"] else 1  # the held-out row 0, then iteration 1
+    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= first_rows, proc)
+    # Frozen while signalled, so that it cannot finish first: it stops inside iteration 2 (or 3), either before
+    # its update (the rollout is dropped and iteration 1's state saved) or after it.
+    for s in (signal.SIGSTOP, signal.SIGTERM, signal.SIGCONT):
+        proc.send_signal(s)
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
+    command = printed.split("to go on:\n")[1].splitlines()[0].strip()
+    assert not os.path.exists(out / "model.safetensors")  # it did not run to the end
+    # The very command it printed resumes the run.
+    argv = shlex.split(command)
+    assert argv[0] == "python" and "--resume" in argv
+    result = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert without_timing(read_rows(out)) == full_rows
+    assert_bitwise_equal(final_state(out), full_state)
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
+    _, full_rows, full_state = uninterrupted("ppo.py")
+    out, flag = tmp_path / "run", tmp_path / "saving"
+    prelude = tmp_path / "slow_save.py"
+    prelude.write_text(f"""import os, runpy, sys, time
+import torch
+save = torch.save
+def slow_save(obj, f, *args, **kwargs):  # the save of checkpoint-2 hangs half-way, long enough to be killed
+    save(obj, f, *args, **kwargs)
+    if "checkpoint-2.tmp" in str(f):
+        open({str(flag)!r}, "w").close()
+        time.sleep(120)
+torch.save = slow_save
+sys.argv = sys.argv[1:]
+sys.path.insert(0, {ROOT!r})
+runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+    proc = launch("ppo.py", out, cli("ppo.py", save_every=1), prelude=str(prelude))
+    wait_for(flag.exists, proc)
+    proc.send_signal(signal.SIGTERM)  # the first asks for a save after this one...
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # ...the second ends the run at once, mid-save
+    printed = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
+    assert sorted(os.listdir(out / "checkpoint-1")) == ["args.json", "metrics.jsonl", "rng-0.pt", "trainer.pt"]
+    assert (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
+    rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
+    assert f"resuming from {out / 'checkpoint-1'}" in printed
+    assert without_timing(rows) == full_rows
+    assert_bitwise_equal(final_state(out), full_state)
+
+
+def test_the_same_seed_gives_the_same_run(tmp_path, uninterrupted):
+    _, full_rows, full_state = uninterrupted("rloo.py")
+    rows, _ = run_script("rloo.py", tmp_path / "again", *cli("rloo.py", save_every=3))
+    assert without_timing(rows) == full_rows
+    assert_bitwise_equal(final_state(tmp_path / "again"), full_state)
+    rows, _ = run_script("rloo.py", tmp_path / "other", *cli("rloo.py", save_every=3, seed=2))
+    assert without_timing(rows) != full_rows  # the comparison can fail
+
+
+# ---------------------------------------------------------------- in-process runs, with one function patched
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """main() installs its own SIGTERM and Ctrl-C handlers; give pytest its own back afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def args_for(script, out, **kw):
+    paths = dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft"))
+    if script != "grpo.py":  # grpo's default is the arithmetic rule; the others use the reward model
+        paths.update(reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),), dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"))
+    else:
+        paths.update(dataset=os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"))
+    # one optimiser step per iteration: the whole rollout is one minibatch and one micro-batch
+    one_step = dict(minibatch_size=8, micro_batch_size=8, num_epochs=1, rollout_batch_size=8 if script == "ppo.py" else 2)
+    return MODULES[script].Args(**{**TINY[script], **one_step, "eval_every": 0, **paths, "output_dir": str(out), **kw})
+
+
+# A function of each script that every training forward goes through once (rloo.py's REINFORCE loss skips the clipped one).
+LOSS_FUNCTION = {"ppo.py": "policy_loss", "grpo.py": "policy_loss", "rloo.py": "loss_weights"}
+
+
+def poison_the_loss(monkeypatch, script, bad_calls):
+    """Make the loss nan on the given calls (1-based), as a bf16 overflow would."""
+    module, name = MODULES[script], LOSS_FUNCTION[script]
+    calls, real = [], getattr(module, name)
+
+    def poisoned(*args):
+        calls.append(1)
+        out = real(*args)
+        nan = float("nan") if len(calls) in bad_calls else 1.0
+        return (out[0] * nan, *out[1:]) if isinstance(out, tuple) else out * nan
+
+    monkeypatch.setattr(module, name, poisoned)
+
+
+@pytest.mark.parametrize("script", list(MODULES))
+def test_a_non_finite_step_is_skipped_and_the_run_goes_on(script, tmp_path, monkeypatch, keep_signal_handlers, capsys):
+    module = MODULES[script]
+    poison_the_loss(monkeypatch, script, bad_calls={2})
+    module.main(args_for(script, tmp_path, total_episodes=24, save_every=1, keep_checkpoints=10))
+    states = [torch.load(tmp_path / f"checkpoint-{i}" / "trainer.pt") for i in (1, 2, 3)]
+    # iteration 2's step was skipped: its weights and optimiser states are those after iteration 1
+    assert_bitwise_equal(states[1]["models"], states[0]["models"])
+    assert_bitwise_equal(states[1]["optimizers"], states[0]["optimizers"])
+    # and the run went on: iteration 3 stepped
+    assert not torch.equal(states[2]["models"]["policy"]["model.norm.weight"], states[1]["models"]["policy"]["model.norm.weight"])
+    rows = read_rows(tmp_path)
+    assert [r["health/skipped_steps"] for r in rows] == [0, 1, 1]
+    assert "iteration 2: a non-finite loss or gradient" in capsys.readouterr().out
+
+
+def test_max_bad_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, keep_signal_handlers):
+    poison_the_loss(monkeypatch, "ppo.py", bad_calls={2, 3, 4})
+    with pytest.raises(SystemExit, match=r"2 optimiser steps in a row had a non-finite loss or gradient \(iteration 3\).*learning rate"):
+        ppo.main(args_for("ppo.py", tmp_path, total_episodes=48, max_bad_steps=2))
+
+
+# ---------------------------------------------------------------- reward functions written by users
+
+PROMPTS = ["what is 2+3?", "what is 7+1?", "what is 4+4?", "what is 9+0?"]
+RESPONSES = ["5", "8", "nine", "9"]
+
+
+def scored(fn, on_reward_error="stop", penalty=1.0):
+    """score_responses on four known prompts and responses with a rule reward and no reward model."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    encode = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
+    prompt_ids, prompt_mask = ppo.left_pad(encode, tokenizer.pad_token_id, "cpu")
+    replies = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in RESPONSES]
+    width = max(map(len, replies))
+    responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
+    args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
+    return ppo.score_responses([], fn, tokenizer, torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1),
+                               responses, response_mask, ["5", "8", "8", "9"], args)
+
+
+def test_a_failing_reward_function_is_pinned_on_its_response():
+    def fails_on_words(texts, answers):
+        return [float(int(t) == int(a)) for t, a in zip(texts, answers)]  # int("nine") raises
+
+    with pytest.raises(SystemExit, match=r"the response 'nine' to the prompt 'what is 4\+4\?' is an error \(ValueError: invalid literal.*--on_reward_error penalty"):
+        scored(fails_on_words)
+    # with the penalty it scores --missing_eos_penalty below the lowest valid score of the batch: min(1, 1, 1) - 0.5
+    score, rule_scores, texts, errors = scored(fails_on_words, "penalty", penalty=0.5)
+    assert score.tolist() == [1.0, 1.0, 0.5, 1.0] and errors == 1 and texts == RESPONSES
+    assert rule_scores.tolist() == [1.0, 1.0, 0.0, 1.0]  # the accuracy counts it as wrong
+
+
+def test_a_non_finite_score_is_named():
+    with pytest.raises(SystemExit, match=r"the response '9' to the prompt 'what is 9\+0\?' is not a finite number"):
+        scored(lambda texts, answers: [0.0, 1.0, 2.0, float("inf")])
+    score, _, _, errors = scored(lambda texts, answers: [0.0, float("nan"), 2.0, 3.0], "penalty")
+    assert score.tolist() == [0.0, -1.0, 2.0, 3.0] and errors == 1
+
+
+def test_a_wrong_number_of_scores_is_named():
+    with pytest.raises(SystemExit, match=r"the response 'nine' .* is an error \(ValueError: 0 scores for one response\)"):
+        scored(lambda texts, answers: [1.0 for t in texts if t != "nine"])  # drops a response
+    with pytest.raises(SystemExit, match=r"fails on the whole batch \(3 scores for 4 responses\) but not on any one response"):
+        scored(lambda texts, answers: [1.0] * min(len(texts), 3))
+    with pytest.raises(SystemExit, match="the response '5' .* is not a finite number"):  # every response failed: no batch minimum
+        scored(lambda texts, answers: [float("nan")] * len(texts), "penalty")
+
+
+def test_penalised_reward_errors_are_counted_in_a_run(tmp_path, monkeypatch, keep_signal_handlers):
+    def half_broken(texts, answers):  # a reward that fails on every other response
+        return [float("nan") if i % 2 else 1.0 for i in range(len(texts))]
+
+    monkeypatch.setitem(grpo.REWARD_FNS, "arithmetic", half_broken)
+    grpo.main(args_for("grpo.py", tmp_path, total_episodes=16, on_reward_error="penalty"))
+    rows = read_rows(tmp_path)
+    assert [r["health/reward_errors"] for r in rows] == [4, 4]  # 4 of the 8 responses of each iteration
+    with pytest.raises(SystemExit, match="is not a finite number; fix the reward"):
+        grpo.main(args_for("grpo.py", tmp_path / "stop", total_episodes=16))
+
+
+# ---------------------------------------------------------------- the outside world
+
+
+def test_no_socket_is_opened_when_every_path_is_local(tmp_path):
+    log = tmp_path / "sockets.log"
+    prelude = tmp_path / "watch_sockets.py"
+    prelude.write_text(f"""import runpy, sys
+log = open({str(log)!r}, "w")
+def hook(event, args):  # every socket operation passes through the audit hook, whichever library does it
+    if event.startswith("socket."):
+        log.write(f"{{event}} {{args!r}}\\n")
+        log.flush()
+sys.addaudithook(hook)
+sys.argv = sys.argv[1:]
+sys.path.insert(0, {ROOT!r})
+runpy.run_path(sys.argv[0], run_name="__main__")
+""")
+    opens = tmp_path / "opens.py"
+    opens.write_text("import socket\nsocket.socket().close()\n")
+    subprocess.run([sys.executable, str(prelude), str(opens)], check=True)
+    assert "socket.__new__" in log.read_text()  # the watch sees a socket when there is one
+    env = {k: v for k, v in ENV.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}  # not even told to stay offline
+    result = subprocess.run([sys.executable, str(prelude), os.path.join(ROOT, "ppo.py"), "--output_dir", str(tmp_path / "run"),
+                             *cli("ppo.py", total_episodes=16, eval_every=1)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert log.read_text() == ""
+
+
+def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
+    env = {**ENV, "WANDB_BASE_URL": "http://127.0.0.1:9"}  # nothing listens on port 9 (discard)
+    env.pop("WANDB_MODE")
+    start = time.time()
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--output_dir", str(tmp_path), "--track",
+                             *cli("rloo.py", total_episodes=8)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wandb: 127.0.0.1 cannot be reached; logging offline" in result.stdout
+    assert any(n.startswith("offline-run-") for n in os.listdir(tmp_path / "wandb"))
+    assert time.time() - start < 120
+
+
+# ---------------------------------------------------------------- bad input, in every script
+
+COMMON_BAD = [
+    (dict(model_name_or_path="/nonexistent/model"), "could not be found"),
+    (dict(temperature=0.0), "--temperature must be positive"),
+    (dict(reward_model_path=(), reward_fn=None), "no reward"),
+    (dict(reward_fn="nope"), "unknown --reward_fn"),
+    (dict(total_episodes=4), "less than one rollout"),
+    (dict(micro_batch_size=0), "--micro_batch_size must be at least 1"),
+    (dict(num_epochs=0), "--num_epochs must be at least 1"),
+    (dict(response_length=0), "--response_length must be at least 1"),
+    (dict(max_grad_norm=-1.0), "--max_grad_norm must be positive"),
+    (dict(learning_rate=0.0), "--learning_rate must be positive"),
+    (dict(kl_coef=-0.1), "--kl_coef must be zero or more"),
+    (dict(model_dtype="float64"), "--model_dtype float64 is not one of"),
+    (dict(save_every=-1), "--save_every must be 0 \\(never\\) or more"),
+    (dict(keep_checkpoints=0), "--keep_checkpoints must be at least 1"),
+    (dict(max_bad_steps=0), "--max_bad_steps must be at least 1"),
+    (dict(resume="/nonexistent/checkpoint-3"), "is not a checkpoint \\(it has no trainer.pt\\)"),
+    (dict(minibatch_size=8, micro_batch_size=3), "does not divide the per-process minibatch"),
+    (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
+]
+GROUP_BAD = [
+    (dict(num_generations=1), "--num_generations must be at least 2"),
+    (dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2), "--rollout_batch_size 3 \\(prompts, each process sampling whole groups\\)"),
+]
+
+
+@pytest.mark.parametrize("script", list(MODULES))
+@pytest.mark.parametrize("kw,message", COMMON_BAD + GROUP_BAD, ids=lambda x: str(x)[:40] if isinstance(x, dict) else None)
+def test_bad_arguments_fail_with_one_sentence_in_every_script(script, kw, message, tmp_path):
+    if "num_generations" in kw and script == "ppo.py":
+        pytest.skip("ppo.py has no groups")
+    with pytest.raises(SystemExit, match=message):
+        MODULES[script].validate(args_for(script, tmp_path / "run", **kw))
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+def test_a_rule_reward_needs_answers(script, tmp_path):
+    args = args_for(script, tmp_path, reward_fn="arithmetic")
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    with pytest.raises(SystemExit, match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"):
+        MODULES[script].load_prompts(os.path.join(ROOT, "assets", "reviews", "train.jsonl"), "train", args, tokenizer)
+
+
+def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted):
+    out, _, _ = uninterrupted("grpo.py")
+    checkpoint = str(out / "checkpoint-6")
+    with pytest.raises(SystemExit, match="was made with other values of --response_length, --learning_rate"):
+        grpo.validate(grpo.Args(**{**TINY["grpo.py"], "output_dir": str(tmp_path), "resume": checkpoint, "learning_rate": 1e-3, "response_length": 9}))
+    args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})  # more episodes: allowed
+    grpo.validate(args)
+    assert args.resume == checkpoint
