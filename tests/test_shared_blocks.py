@@ -8,8 +8,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["ppo.py", "grpo.py", "rloo.py"]
-# Blocks every algorithm file holds: the arguments, data, generation, scoring, checks, alarms, dashboard and saving.
-EVERYWHERE = {"arguments", "batch statistics", "scores", "models and data", "checks and alarms", "set-up",
+# Blocks every algorithm file holds: the arguments, data, generation, scoring, checks, alarms, checkpoints, dashboard and saving.
+EVERYWHERE = {"arguments", "batch statistics", "scores", "models and data", "checks and alarms", "checkpoints, stop signals and bad steps", "set-up",
               "outputs and the starting policy's held-out score", "prompts", "generate and score", "dashboard", "evaluate, alarms, log and save"}
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
