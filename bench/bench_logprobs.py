@@ -245,7 +245,7 @@ def main():
             nf, nb = res.get(("naive", "fwd"), {}), res.get(("naive", "fwdbwd"), {})
 
             def ms(r):
-                return f"{r['time_s'] * 1e3:.0f}" if "time_s" in r else f"skip ({r['skip']})"
+                return f"{r['time_s'] * 1e3:.{2 if r['time_s'] < 0.1 else 0}f}" if "time_s" in r else f"skip ({r['skip']})"
 
             def ratio(r, n):
                 return f"{r['time_s'] / n['time_s']:.2f}" if "time_s" in r and "time_s" in n else "-"

@@ -1,0 +1,300 @@
+"""Sampling throughput: ppo.py's `generate` against transformers' `model.generate` and a loop without a KV cache.
+
+Methods (the same sampling in each: softmax(logits / T), torch.multinomial, left-padded prompts):
+  scripts      `generate` of ppo.py (shared with grpo.py and rloo.py): KV cache, and the log-prob of each sampled
+               token (token_logprobs), which the other two do not compute.
+  hf-generate  model.generate(do_sample=True, temperature=T, top_k=0, top_p=1.0, use_cache=True). top_k=0 turns
+               off transformers' default top-k of 50; with T = 1 no logits processor runs at all, otherwise only
+               TemperatureLogitsWarper (the division by T that the others do too).
+  no-cache     the full forward over the whole sequence at every step (logits of the last position only).
+Every method generates exactly N tokens for every row: EOS is never sampled. `generate` gets eos_token_id=-1 (no
+token equals it), model.generate gets eos_token_id=None, which in transformers 5.x leaves only the max-length
+stopping criterion (no min_new_tokens, which would add a processor that masks the EOS logit); no-cache has no stop.
+Tokens/s counts generated positions: batch x new tokens / seconds (the prefill is inside the timing).
+
+Prompts are random token ids (ids >= 2, so never the tiny model's EOS 0 or pad 1), the same for every method of a
+cell: row 0 has --prompt-len real tokens, the others between half and all of it, left-padded. Models: `tiny` is
+assets/tiny-sft; `qwen0.5b-shape` has Qwen2.5-0.5B's shape with random weights (no hub access). Hub kernels are
+off, as in ppo.py (use_kernels=False; from_config applies none). Within a cell the methods alternate (one warm-up
+call each first), so machine noise hits all.
+
+On CUDA the "decode limit" is the time the N decode steps need at least if each step only reads the weights and
+the KV cache at the mean context length (prompt + N / 2) once, at the measured device-to-device copy bandwidth;
+"of limit" is that time over the measured one. "peak GB" is torch.cuda.max_memory_allocated over a method's calls in
+the cell, weights included.
+
+    python bench/bench_generate.py --quick --device cpu                # smoke test, seconds
+    python bench/bench_generate.py --models tiny --batches 64,256 --new-tokens 24,64 --repeats 3 --out /tmp/gen_cpu.md
+    python bench/bench_generate.py --dtype bfloat16 --out bench/generate.md   # CUDA: both models, the full grid
+    python bench/bench_generate.py --models tiny --batches 64 --new-tokens 24 --methods scripts --breakdown
+"""
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from ppo import generate, position_ids_from  # noqa: E402
+from rlhf_kernels import token_logprobs  # noqa: E402
+
+NEVER = -1  # an eos_token_id no sampled token can equal
+QWEN05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+                     tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+# ----------------------------------------------------------------------------------------- models, prompts
+def load_model(name, dtype, device):
+    """The policy for a --models entry, in eval mode, and its pad token id."""
+    if name == "tiny":
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets/tiny-sft"), dtype=dtype, use_kernels=False)
+    elif name == "qwen0.5b-shape":
+        with torch.device(device):  # random init straight on the device
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN05B_SHAPE), dtype=dtype)
+    else:
+        raise SystemExit(f"unknown model '{name}': choose tiny or qwen0.5b-shape")
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    return model.to(device).eval(), pad
+
+
+def make_prompts(batch, prompt_len, vocab_size, pad, device, seed=0):
+    """Random left-padded prompts (B, P) and their mask; row 0 is full, the rest hold P/2..P real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab_size, (batch, prompt_len), generator=g)
+    lengths = torch.randint((prompt_len + 1) // 2, prompt_len + 1, (batch,), generator=g)
+    lengths[0] = prompt_len
+    mask = (torch.arange(prompt_len)[None, :] >= prompt_len - lengths[:, None]).long()
+    return torch.where(mask.bool(), ids, pad).to(device), mask.to(device)
+
+
+# ----------------------------------------------------------------------------------------------- methods
+def run_scripts(model, ids, mask, n, temperature, pad, greedy=False):
+    return generate(model, ids, mask, n, temperature, NEVER, pad, greedy=greedy)[0]
+
+
+def run_hf(model, ids, mask, n, temperature, pad, greedy=False):
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=pad,
+                         use_cache=True, **sampling)
+    return out[:, ids.shape[1]:]
+
+
+@torch.no_grad()
+def run_no_cache(model, ids, mask, n, temperature, pad, greedy=False):
+    for _ in range(n):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=False,
+                       logits_to_keep=1).logits[:, -1]
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        token = probs.argmax(-1) if greedy else torch.multinomial(probs, 1).squeeze(-1)
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids[:, -n:]
+
+
+METHODS = {"scripts": run_scripts, "hf-generate": run_hf, "no-cache": run_no_cache}
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device):
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+class PartTimer:
+    """Adds the synchronised wall time of each `with timer("part"):` block to timer.seconds["part"]."""
+
+    def __init__(self, device):
+        self.device, self.seconds = device, defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, part):
+        sync(self.device)
+        start = time.perf_counter()
+        yield
+        sync(self.device)
+        self.seconds[part] += time.perf_counter() - start
+
+
+@torch.no_grad()
+def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id):
+    """ppo.py's `generate` (sampling branch) statement for statement, each part inside a timer."""
+    with timer("prefill"):
+        B = prompt_ids.shape[0]
+        cache = DynamicCache()
+        attention_mask = prompt_mask
+        positions = position_ids_from(prompt_mask)
+        logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True).logits[:, -1]
+        next_position = positions[:, -1:] + 1
+        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+        tokens, logprobs, masks = [], [], []
+    for step in range(max_new_tokens):
+        with timer("sampling (softmax + multinomial)"):
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            token = torch.multinomial(probs, 1).squeeze(-1)
+        with timer("log-prob (token_logprobs)"):
+            logprob = token_logprobs(logits, token, temperature)
+        with timer("bookkeeping (where, appends, done)"):
+            masks.append(~done)
+            tokens.append(torch.where(done, pad_token_id, token))
+            logprobs.append(torch.where(done, 0.0, logprob))
+            done = done | (token == eos_token_id)
+            stop = bool(done.all()) or step == max_new_tokens - 1
+        if stop:
+            break
+        with timer("bookkeeping (mask cat)"):
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        with timer("model forward"):
+            out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache, use_cache=True)
+            logits, next_position = out.logits[:, -1], next_position + 1
+    with timer("bookkeeping (stack)"):
+        result = torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+    return result
+
+
+def copy_bandwidth(device):
+    """Bytes read + written per second by a 1 GiB device-to-device copy (best of 10)."""
+    x = torch.empty(2**28, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = min(timed(lambda: y.copy_(x), device) for _ in range(10))
+    return 2 * x.nbytes / best
+
+
+def decode_bytes(model, batch, context):
+    """Bytes one decode step must read at least: every weight once, and the KV cache at this context length."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied lm_head is counted once
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return weights + 2 * c.num_hidden_layers * batch * c.num_key_value_heads * head_dim * context * element
+
+
+# ------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="tiny,qwen0.5b-shape")
+    p.add_argument("--batches", default="64,256")
+    p.add_argument("--new-tokens", default="128,512")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per method and cell (the median is reported)")
+    p.add_argument("--methods", default="scripts,hf-generate,no-cache")
+    p.add_argument("--skip-no-cache-above", type=int, default=128, help="skip no-cache when new tokens > this")
+    p.add_argument("--breakdown", action="store_true", help="also time the parts of the scripts' loop, first cell")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny model, batch 4, 8 new tokens, 1 repeat")
+    p.add_argument("--out", help="also write the tables (markdown) to this file")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.models, a.batches, a.new_tokens, a.repeats = "tiny", "4", "8", 1
+    a.models, a.methods = a.models.split(","), a.methods.split(",")
+    a.batches, a.new_tokens = [int(x) for x in a.batches.split(",")], [int(x) for x in a.new_tokens.split(",")]
+    unknown = set(a.methods) - set(METHODS)
+    if unknown:
+        p.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    cuda = device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(a.threads)
+    name = torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()}, {a.threads} threads)"
+    lines = [f"torch {torch.__version__}, transformers {transformers.__version__}, {name}, {a.dtype}, T={a.temperature}, "
+             f"prompt {a.prompt_len} (left-padded), {datetime.datetime.now():%Y-%m-%d %H:%M}"]
+    bandwidth = copy_bandwidth(device) if cuda else None
+    if cuda:
+        lines.append(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + written)")
+    lines += ["", "| model | batch | new tokens | method | median s | tokens/s | vs hf-generate | "
+              + ("peak GB | " if cuda else "") + "decode limit s | of limit |",
+              "|---|---:|---:|---|---:|---:|---:|" + ("---:|" if cuda else "") + "---:|---:|"]
+    print("\n".join(lines), flush=True)
+
+    def emit(*new):
+        """Print lines and rewrite --out with everything so far (a run stopped by a time limit keeps its rows)."""
+        lines.extend(new)
+        print("\n".join(new), flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
+
+    breakdown = None
+    for model_name in a.models:
+        model, pad = load_model(model_name, dtype, device)
+        for batch in a.batches:
+            for n in a.new_tokens:
+                ids, mask = make_prompts(batch, a.prompt_len, model.config.vocab_size, pad, device)
+                methods = [m for m in a.methods if not (m == "no-cache" and n > a.skip_no_cache_above)]
+                seconds, peak = defaultdict(list), {}
+                for m in methods:  # warm-up
+                    timed(lambda: METHODS[m](model, ids, mask, n, a.temperature, pad), device)
+                for _ in range(a.repeats):
+                    for m in methods:
+                        if cuda:
+                            torch.cuda.reset_peak_memory_stats(device)
+                        seconds[m].append(timed(lambda: METHODS[m](model, ids, mask, n, a.temperature, pad), device))
+                        if cuda:
+                            peak[m] = max(peak.get(m, 0), torch.cuda.max_memory_allocated(device) / 2**30)
+                median = {m: statistics.median(s) for m, s in seconds.items()}
+                limit = n * decode_bytes(model, batch, a.prompt_len + n / 2) / bandwidth if cuda else None
+                for m in methods:
+                    ratio = f"{median['hf-generate'] / median[m]:.2f}x" if "hf-generate" in median else "n/a"
+                    row = f"| {model_name} | {batch} | {n} | {m} | {median[m]:.3f} | {batch * n / median[m]:,.0f} | {ratio} | "
+                    row += f"{peak[m]:.2f} | " if cuda else ""
+                    row += f"{limit:.3f} | {100 * limit / median[m]:.0f}% |" if cuda else "n/a | n/a |"
+                    emit(row)
+                if a.breakdown and breakdown is None:
+                    breakdown = part_table(model, model_name, batch, n, ids, mask, pad, a, device, median.get("scripts"))
+        model = None  # free it before the next one loads
+        if cuda:
+            torch.cuda.empty_cache()
+    if breakdown:
+        emit("", *breakdown)
+
+
+def part_table(model, model_name, batch, n, ids, mask, pad, a, device, untimed):
+    """Where the scripts' loop spends its time in one cell: ms per decode step of each part (over --repeats)."""
+    timer = PartTimer(device)
+    generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad)  # warm-up
+    timer.seconds.clear()
+    for _ in range(a.repeats):
+        generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad)
+    total = sum(timer.seconds.values())
+    rows = [f"Scripts' loop, {model_name}, batch {batch}, {n} new tokens: ms per generated token (prefill: per call), "
+            f"synchronised timers around each part",
+            "", "| part | ms per token | share |", "|---|---:|---:|"]
+    for part, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
+        per = 1e3 * s / a.repeats / (1 if part == "prefill" else n)
+        rows.append(f"| {part} | {per:.3f} | {100 * s / total:.0f}% |")
+    rows.append(f"| total per call (timed copy) | {1e3 * total / a.repeats:.1f} ms | |")
+    if untimed is not None:
+        rows.append(f"| ppo.generate per call (median, untimed) | {1e3 * untimed:.1f} ms | |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
