@@ -630,7 +630,8 @@ def find_checkpoint(args):
     """Turn --resume into a checkpoint folder (or None) and check it against the arguments, before any model loads."""
     if args.resume == "auto":
         args.resume = (checkpoints_in(args.output_dir) or [None])[-1]
-        print(f"--resume auto: {f'resuming from {args.resume}' if args.resume else f'no checkpoint in {args.output_dir}, starting afresh'}")
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--resume auto: {f'resuming from {args.resume}' if args.resume else f'no checkpoint in {args.output_dir}, starting afresh'}")
     if args.resume and not os.path.isfile(os.path.join(args.resume, "trainer.pt")):
         raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no trainer.pt); pass an {args.output_dir}/checkpoint-N folder, or auto.")
     saved = json.load(open(os.path.join(args.resume, "args.json"))) if args.resume else {}

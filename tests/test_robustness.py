@@ -131,6 +131,29 @@ def test_a_stopped_and_resumed_run_is_the_same_run(script, stop, tmp_path, unint
     assert_bitwise_equal(final_state(out), full_state)
 
 
+def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
+    """Two processes (gloo): each saves its own random-number states beside rank 0's models; torchrun passes
+    SIGTERM on to both, and the command they print resumes the run."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    args = [os.path.join(ROOT, "rloo.py"), *cli("rloo.py", save_every=3, micro_batch_size=4)]  # 4 responses per process
+    full = subprocess.run([*torchrun, *args, "--output_dir", str(tmp_path / "full")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*torchrun, *args, "--output_dir", str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode != 0 and not os.path.exists(out / "model.safetensors"), printed[-3000:]
+    argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
+    assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
+    checkpoint = argv[argv.index("--resume") + 1]
+    assert sorted(os.listdir(checkpoint)) == ["args.json", "metrics.jsonl", "rng-0.pt", "rng-1.pt", "trainer.pt"]
+    result = subprocess.run([*torchrun, *argv[2:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert without_timing(read_rows(out)) == without_timing(read_rows(tmp_path / "full"))
+    assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
+
+
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
     _, full_rows, full_state = uninterrupted("ppo.py")
     out, flag = tmp_path / "run", tmp_path / "saving"
