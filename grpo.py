@@ -623,7 +623,8 @@ def find_checkpoint(args):
     if args.resume and not os.path.isfile(os.path.join(args.resume, "trainer.pt")):
         raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no trainer.pt); pass an {args.output_dir}/checkpoint-N folder, or auto.")
     saved = json.load(open(os.path.join(args.resume, "args.json"))) if args.resume else {}
-    changed = [k for k in saved if k not in RESUMABLE and saved[k] != json.loads(json.dumps(asdict(args))).get(k)]
+    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
+    changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
     if changed:
         raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass those of its args.json "
                          f"(only {', '.join('--' + k for k in RESUMABLE[2:])} may change).")
@@ -645,7 +646,8 @@ def save_checkpoint(args, models, optimizers, state, rng, rank):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
-        json.dump(asdict(args), open(os.path.join(tmp, "args.json"), "w"), indent=2)
+        with open(os.path.join(tmp, "args.json"), "w") as f:
+            json.dump(asdict(args), f, indent=2)
         torch.save({"state": state, "models": {k: m.state_dict() for k, m in models.items()},
                     "optimizers": {k: o.state_dict() for k, o in optimizers.items()}}, os.path.join(tmp, "trainer.pt"))
     if args.world_size > 1:
@@ -655,7 +657,8 @@ def save_checkpoint(args, models, optimizers, state, rng, rank):
         dist.barrier()  # every process has written
     if rank == 0:
         os.rename(tmp, path)
-        for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints]:
+        cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") and n.endswith(".tmp")]
+        for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
             shutil.rmtree(old)
     return path
 

@@ -182,6 +182,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
     rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
     assert f"resuming from {out / 'checkpoint-1'}" in printed
+    assert not (out / "checkpoint-2.tmp").exists()  # the first save that succeeds clears what the kill left
     assert without_timing(rows) == full_rows
     assert_bitwise_equal(final_state(out), full_state)
 
