@@ -143,7 +143,7 @@ def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, tempe
         cache = DynamicCache()
         attention_mask = prompt_mask
         positions = position_ids_from(prompt_mask)
-        logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True).logits[:, -1]
+        logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         next_position = positions[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
         tokens, logprobs, masks = [], [], []
