@@ -794,6 +794,7 @@ def main(args):
         if is_main:
             print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
             metrics_file.write(json.dumps(m) + "\n")
+            metrics_file.flush()  # a checkpoint copies the file as it stands
             if args.track:
                 wandb.log(m, step=0)
     # <<< shared: outputs and the starting policy's held-out score
