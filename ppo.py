@@ -548,17 +548,10 @@ def build_models(args, tokenizer, device):
 
 def validate(args):
     """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
-    if args.rollout_batch_size < 1:
-        raise SystemExit(f"--rollout_batch_size must be at least 1 (got {args.rollout_batch_size}).")
-    for name in ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target", "kl_horizon"):
-        if not getattr(args, name) > 0:
-            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
-    for name in ("kl_coef", "vf_coef"):
-        if not getattr(args, name) >= 0:
-            raise SystemExit(f"--{name} must be zero or more (got {getattr(args, name)}).")
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            raise SystemExit(f"--{name} must lie in [0, 1] (got {getattr(args, name)}).")
+    require(args, ("rollout_batch_size",), "must be at least 1", lambda v: v >= 1)
+    require(args, ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target", "kl_horizon"), "must be positive", lambda v: v > 0)
+    require(args, ("kl_coef", "vf_coef"), "must be zero or more", lambda v: v >= 0)
+    require(args, ("gamma", "lam"), "must lie in [0, 1]", lambda v: 0 <= v <= 1)
     if args.value_model_path is None:
         args.value_model_path = args.reward_model_path[0] if args.reward_model_path else args.model_name_or_path
     check_model_path(args.value_model_path, "any", "--value_model_path")
@@ -566,21 +559,20 @@ def validate(args):
 
 
 # >>> shared: checks and alarms
+def require(args, names, rule, ok):
+    """Stop with one sentence when an argument breaks its rule, e.g. "--temperature must be positive (got 0.0)."."""
+    for name in names:
+        if not ok(getattr(args, name)):
+            raise SystemExit(f"--{name} {rule} (got {getattr(args, name)}).")
+
+
 def check_common_args(args, responses_per_iteration):
     """The checks every script shares; the output folder last, so that nothing is created for a run that cannot start."""
-    for name in ("eval_every", "save_every"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"--{name} must be 0 (never) or more (got {getattr(args, name)}).")
-    for name in ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
-                 "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1 (got {getattr(args, name)}).")
-    for name in ("max_grad_norm", "temperature"):
-        if not getattr(args, name) > 0:
-            raise SystemExit(f"--{name} must be positive (got {getattr(args, name)}).")
-    for name in ("ent_coef", "missing_eos_penalty"):
-        if not getattr(args, name) >= 0:
-            raise SystemExit(f"--{name} must be zero or more (got {getattr(args, name)}).")
+    require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
+    require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
+                   "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"), "must be at least 1", lambda v: v >= 1)
+    require(args, ("max_grad_norm", "temperature"), "must be positive", lambda v: v > 0)
+    require(args, ("ent_coef", "missing_eos_penalty"), "must be zero or more", lambda v: v >= 0)
     if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
         raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} (prompts, each process sampling whole groups) and --minibatch_size "
                          f"{args.minibatch_size} must be multiples of the {args.world_size} processes.")
