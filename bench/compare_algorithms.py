@@ -29,6 +29,25 @@ TASKS = {
 }
 
 
+def measured(cmd, log_path):
+    """Run a command from the repository root, offline; return its peak resident memory in MB (this child's own,
+    from wait4). Its output goes to log_path."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}, stdout=log, stderr=log)
+        _, status, usage = os.wait4(proc.pid, 0)
+    if status != 0:
+        raise SystemExit(f"{' '.join(cmd[1:3])} failed; see {log_path}")
+    return usage.ru_maxrss / 1024
+
+
+def report(lines, out):
+    """Print the tables, and write them to out when given."""
+    print("\n".join(lines))
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def run(algorithm, task, out, responses, evaluations):
     """One training run in a subprocess; returns its metrics rows and its peak resident memory in MB."""
     iterations = responses // RESPONSES_PER_ITERATION[algorithm]
@@ -37,12 +56,8 @@ def run(algorithm, task, out, responses, evaluations):
     if task == "reviews":  # grpo.py's default task is arithmetic: no rule reward here
         cmd += ["--reward_fn", "None"] if algorithm == "GRPO" else []
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "output.log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}, stdout=log, stderr=log)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource use, peak memory included
-    if status != 0:
-        raise SystemExit(f"{algorithm} on {task} failed; see {out}/output.log")
-    return read(os.path.join(out, "metrics.jsonl")), usage.ru_maxrss / 1024
+    peak_mb = measured(cmd, os.path.join(out, "output.log"))
+    return read(os.path.join(out, "metrics.jsonl")), peak_mb
 
 
 def generated_tokens(rows):
@@ -92,10 +107,7 @@ def main():
         subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot_metrics.py"), *paths, "--labels", *labels, "--x", "minutes",
                         "--panels", "eval/score", "objective/kl", "response/length", "--out", os.path.join(a.plots, f"compare_{task}.png")],
                        check=True, stdout=subprocess.DEVNULL)
-    print("\n".join(lines))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    report(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ from the reward model) and holds the reference and the reward model frozen.
 """
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare_algorithms import ROOT, measured, report  # noqa: E402
 SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2)
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -39,16 +39,6 @@ def build(folder, shape, dtype):
     return counts
 
 
-def peak_mb(cmd):
-    """Run a command; return its peak resident memory in MB (this child's own, from wait4)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise SystemExit(f"{cmd[1]} failed:\n{proc.stderr.read()[-2000:]}")
-    return usage.ru_maxrss / 1024
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -56,7 +46,7 @@ def main():
     p.add_argument("--out", help="also write the table (markdown) here")
     a = p.parse_args()
     # first, while this process is small: a child's peak counts the parent's pages it was forked with
-    baseline = peak_mb([sys.executable, "-c", "import torch, transformers, tyro; import ppo"])
+    baseline = measured([sys.executable, "-c", "import torch, transformers, tyro; import ppo"], os.devnull)
     with tempfile.TemporaryDirectory() as folder:
         counts = build(folder, SMALL if a.small else SHAPE, a.dtype)
         # two iterations of 8 prompts x 16 tokens (the second has AdamW's moments from the start and every gradient
@@ -65,7 +55,7 @@ def main():
                "--reward_model_path", os.path.join(folder, "rm"), "--output_dir", os.path.join(folder, "run"), "--model_dtype", a.dtype,
                "--total_episodes", "16", "--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8", "--num_epochs", "1",
                "--response_length", "16", "--eval_every", "0", "--save_every", "0"]
-        measured = peak_mb(cmd)
+        peak = measured(cmd, os.path.join(tempfile.gettempdir(), "memory_accounting.log"))  # kept when the run fails
     weight_bytes = 4 if a.dtype == "float32" else 2
     models = [("policy (trained)", counts["policy"], 4), ("reference (frozen)", counts["policy"], 1),
               ("reward model (frozen)", counts["rm"], 1), ("critic (trained, from the reward model)", counts["rm"], 4)]
@@ -77,13 +67,10 @@ def main():
         total += mb
         lines.append(f"| {name} | {n:,} | {weight_bytes * copies} | {mb:,.0f} |")
     lines += [f"| **the four models** | | | **{total:,.0f}** |", "",
-              f"Measured peak of two PPO iterations (8 prompts x 16 tokens): {measured:,.0f} MB resident, of which {baseline:,.0f} MB is the "
-              f"Python process with torch and transformers imported; {measured - baseline:,.0f} MB above that, "
-              f"{(measured - baseline) / total:.2f}x the accounting."]
-    print("\n".join(lines))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+              f"Measured peak of two PPO iterations (8 prompts x 16 tokens): {peak:,.0f} MB resident, of which {baseline:,.0f} MB is the "
+              f"Python process with torch and transformers imported; {peak - baseline:,.0f} MB above that, "
+              f"{(peak - baseline) / total:.2f}x the accounting."]
+    report(lines, a.out)
 
 
 if __name__ == "__main__":
