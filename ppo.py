@@ -366,22 +366,19 @@ def call_reward_fn(reward_fn, texts, answers):
         scores = [float(x) for x in reward_fn(texts, answers)]
         if len(scores) == len(texts):
             return scores, "not a finite number"
-        batch_error = f"{len(scores)} scores for {len(texts)} responses"
-    except Exception as e:
-        batch_error = f"{type(e).__name__}: {e}"
-    scores, why = [], None
+    except Exception:
+        pass
+    scores, errors = [], []
     for text, answer in zip(texts, answers):
         try:
-            one = [float(x) for x in reward_fn([text], [answer])]
-            if len(one) != 1:
-                raise ValueError(f"{len(one)} scores for one response")
-            scores.append(one[0])
+            (score,) = reward_fn([text], [answer])  # exactly one score, else a ValueError names the count
+            scores.append(float(score))
         except Exception as e:
             scores.append(float("nan"))
-            why = why or f"an error ({type(e).__name__}: {e})"
-    if why is None:
-        raise SystemExit(f"the reward function fails on the whole batch ({batch_error}) but not on any one response; it must return one score per response.")
-    return scores, why
+            errors.append(f"an error ({type(e).__name__}: {e})")
+    if not errors:
+        raise SystemExit("the reward function fails on the whole batch but on no single response; it must return one score per response.")
+    return scores, errors[0]
 
 
 @torch.no_grad()
@@ -995,9 +992,10 @@ def main(args):
                 if args.track:
                     wandb.log({"samples": wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])}, step=state["episodes"])
         state["alarms_on"] = [name for name, on in firing.items() if on]
+        rng = rng_states()
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
-            save_checkpoint(args, models, optimizers, state, rng_states(), rank)
-        stop_and_save(received, args, models, optimizers, state, rng_states(), rank, device)
+            save_checkpoint(args, models, optimizers, state, rng, rank)
+        stop_and_save(received, args, models, optimizers, state, rng, rank, device)
 
     # --- last: save the final policy where from_pretrained can load it ---
     if is_main:
