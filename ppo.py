@@ -23,12 +23,11 @@ Commands:
   python ppo.py                                     # the embedded default: tiny models, CPU, minutes
   python ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> \\
       --dataset <prompts.jsonl> --model_dtype bfloat16      # one GPU, hub models
-  torchrun --nproc_per_node=8 ppo.py --args ...     # one process per GPU; gradients all-reduced
+  torchrun --nproc_per_node=8 ppo.py --args ...     # one process per GPU, every model sharded (FSDP2)
 """
 
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -42,7 +41,11 @@ from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import tyro
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
@@ -122,6 +125,10 @@ class Args:
     """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
     on_reward_error: Literal["stop", "penalty"] = "stop"
     """a reward that raises or is not a finite number: stop, or score it --missing_eos_penalty below the batch minimum"""
+    replicate_frozen: bool = False
+    """under torchrun: a whole copy of the frozen models (reference, reward models) on every process, instead of sharding them"""
+    mixed_precision: bool = False
+    """under torchrun: bf16 weights and compute in the forward and backward passes over fp32 master weights, Adam states and gradient sums"""
     # <<< shared: arguments
 
     # PPO: batches, the critic, GAE, the KL penalty in the reward
@@ -253,7 +260,7 @@ def value_loss(values, values_old, returns, clip_range):
     """Per-token value loss with the prediction clipped around the rollout's value (the usual fix for
     value divergence): max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). Returns the loss (B, T)
     and whether the clipped term was the larger."""
-    values_clipped = values_old + torch.clamp(values - values_old, -clip_range, clip_range)
+    values_clipped = torch.clamp(values, values_old - clip_range, values_old + clip_range)  # exactly V where the clip does not bite
     loss_unclipped, loss_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
     return torch.max(loss_unclipped, loss_clipped), (loss_clipped > loss_unclipped).float()
 
@@ -320,20 +327,25 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
 
 def head_outputs(model, input_ids, attention_mask):
     """Scalar head of a sequence classifier at every position (B, L): per-token values for the critic;
-    the reward model's score is the entry at the last real token (the EOS)."""
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()  # (B, L)
+    the reward model's score is the entry at the last real token (the EOS). The classifier computes its head at
+    every position and returns only one; a hook keeps them all, and the call still goes through the model (FSDP needs that)."""
+    kept = []
+    hook = model.score.register_forward_hook(lambda module, inputs, output: kept.append(output))
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    hook.remove()
+    return kept[0].squeeze(-1).float()  # (B, L)
 
 
 @torch.no_grad()
-def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, greedy=False, generator=None):
+def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, uniforms=None):
     """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits
     it was sampled from (logprobs_old). Left-padded prompts; a sequence stops at its first EOS, after
     which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and response_mask (B, T),
-    where the mask covers every token up to and including the EOS. greedy takes the argmax instead
-    (evaluation); generator keeps evaluation's draws out of the training run's random stream."""
+    where the mask covers every token up to and including the EOS. Token t of row b is the first whose cumulative
+    probability passes uniforms[b, t], drawn beforehand for each row (B, max_new_tokens), so that a response does not
+    depend on the batch or the process it is sampled in; without uniforms, the argmax (greedy, for evaluation)."""
     B = prompt_ids.shape[0]
+    hold_full_parameters(policy, True)
     cache = DynamicCache()
     attention_mask = prompt_mask
     positions = position_ids_from(prompt_mask)  # (B, P)
@@ -344,7 +356,8 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_t
     tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
         probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-        token = probs.argmax(-1) if greedy else torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+        cdf = probs.cumsum(-1)  # scaled by its last entry below, so that rounding cannot leave it short of the draw
+        token = probs.argmax(-1) if uniforms is None else torch.searchsorted(cdf, uniforms[:, step, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
         logprob = token_logprobs(logits, token, temperature)  # (B,), the same logits, the same temperature
         masks.append(~done)
         tokens.append(torch.where(done, pad_token_id, token))
@@ -355,6 +368,7 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_t
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache, use_cache=True)
         logits, next_position = out.logits[:, -1], next_position + 1
+    hold_full_parameters(policy, False)
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
 
 
@@ -407,20 +421,22 @@ def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_ma
 @torch.no_grad()
 def evaluate(policy, reward_models, reward_fn, tokenizer, prompts, answers, args, rank, device):
     """Mean raw score on held-out prompts, sampled at the training temperature and greedy (with a rule reward
-    that is the accuracy). The same draws at every evaluation, from a generator of their own."""
-    generator = torch.Generator(device).manual_seed(args.seed)
-    local = list(range(rank, len(prompts), args.world_size))
+    that is the accuracy). Each prompt has its own draws, the same at every evaluation and whatever the number of processes."""
+    uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    share = -(-len(prompts) // args.world_size)  # each process a contiguous share; the last one is topped up with uncounted
+    mine = range(rank * share, (rank + 1) * share)  # copies of the last prompt, so that all run the same batches (FSDP needs that)
+    counted = torch.tensor([i < len(prompts) for i in mine], device=device).float()
     result = {}
     for name, greedy in (("eval/score", False), ("eval/score_greedy", True)):
         scores = []
-        for start in range(0, len(local), args.eval_batch_size):
-            idx = local[start : start + args.eval_batch_size]
+        for start in range(0, share, args.eval_batch_size):
+            idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.eval_batch_size]]
             prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
             responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
-                                                   tokenizer.eos_token_id, tokenizer.pad_token_id, greedy, generator)
+                                                   tokenizer.eos_token_id, tokenizer.pad_token_id, None if greedy else uniforms[idx])
             input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
             scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx], args)[0])
-        result[name] = global_mean(torch.cat(scores))
+        result[name] = masked_mean(torch.cat(scores), counted).item()
     return result
 
 
@@ -442,13 +458,61 @@ def check_model_path(path, kind, what):
 def load_model(model_class, path, args, device, trained, **kwargs):
     """from_pretrained with every choice explicit. Transformers' hub kernels (on by default since 5.25: a
     download at load time and different numerics) stay off unless --hub_kernels; they are applied once the
-    model sits on its device, since at load time it is on the CPU, where nothing is replaced."""
-    model = model_class.from_pretrained(path, dtype=getattr(torch, args.model_dtype), use_kernels=False, **kwargs).to(device).eval()
+    model sits on its device, since at load time it is on the CPU, where nothing is replaced. Under torchrun
+    the model is then sharded over the processes (a frozen one is left whole with --replicate_frozen)."""
+    dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)  # frozen: no fp32 master needed
+    model = model_class.from_pretrained(path, dtype=dtype, use_kernels=False, **kwargs).to(device).eval()
     if args.hub_kernels:
         from kernels import Mode
 
         model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
-    return model.requires_grad_(trained)
+    model.requires_grad_(trained)
+    if dist.is_initialized() and (trained or not args.replicate_frozen):
+        shard(model, args)
+    return model
+
+
+def shard(model, args):
+    """FSDP2 (PyTorch's fully_shard) over all processes: each transformer block is a unit whose parameters are gathered
+    just before it runs and freed after; the root unit holds the rest (embeddings, final norm, heads). Every process
+    keeps 1/world_size of each parameter, gradient and Adam state. Gradients are summed over the processes, not
+    averaged, since each process's loss is its share of the global minibatch's loss."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:  # the blocks, as each model names them
+        fully_shard(module, mp_policy=bf16 if args.mixed_precision else MixedPrecisionPolicy())
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
+
+
+def hold_full_parameters(model, hold):
+    """FSDP2 gathers a block's parameters just before it runs and frees them after, which in a decode loop would be an
+    all-gather per block per token. While sampling, the policy keeps them gathered instead (one all-gather per block per
+    rollout), at the cost of a whole copy of its parameters on every process (15 GB for a 7B policy in bf16). Where that
+    does not fit, or sampling dominates the run, sample with a separate inference engine that is sent the new weights."""
+    if isinstance(model, FSDPModule):
+        model.set_reshard_after_forward(not hold)  # for every unit
+        for module in model.modules() if not hold else []:
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
+def megabytes_held(models, optimizers):
+    """What this process holds of the models' parameters and the optimisers' states, in MB (under FSDP2, its shards)."""
+    tensors = [p for m in models for p in m.parameters()] + [x for o in optimizers for s in o.state.values() for x in s.values() if torch.is_tensor(x)]
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors) / 2**20
+
+
+def gather_rows(tensors):
+    """The rows of every process, in rank order, for each tensor of a dict: the whole rollout on every process (token
+    ids and per-token floats, a few MB), so that each can take its share of the same global minibatches."""
+    if not dist.is_initialized():
+        return tensors
+    gathered = {}
+    for key, x in tensors.items():
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        gathered[key] = torch.cat(parts)
+    return gathered
 
 
 def read_rows(path, split, args):
@@ -520,14 +584,23 @@ def held_out_dataset(args):
     return beside if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside) else None
 
 
-def left_pad(sequences, pad_token_id, device):
-    """Token lists to a left-padded (B, P) tensor and its attention mask."""
-    width = max(len(s) for s in sequences)
+def left_pad(sequences, pad_token_id, device, width=None):
+    """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
+    width = width or max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
         ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
     return ids.to(device), mask.to(device)
+
+
+def pad_responses(responses, logprobs, response_mask, pad_token_id):
+    """Right-pad the responses of every process to the longest anywhere, so that the rollout's rows can be gathered."""
+    T = torch.tensor(responses.shape[1], device=responses.device)
+    if dist.is_initialized():
+        dist.all_reduce(T, op=dist.ReduceOp.MAX)
+    pad = (0, T.item() - responses.shape[1])
+    return (torch.nn.functional.pad(responses, pad, value=pad_token_id), torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(response_mask, pad))
 # <<< shared: models and data
 
 
@@ -585,6 +658,8 @@ def check_common_args(args, responses_per_iteration):
         raise SystemExit(f"unknown --reward_fn '{args.reward_fn}'; choose one of {sorted(REWARD_FNS)}.")
     if args.model_dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
+    if args.mixed_precision and ("WORLD_SIZE" not in os.environ or args.model_dtype != "float32"):
+        raise SystemExit("--mixed_precision is FSDP2's: launch with torchrun (--nproc_per_node=1 for one GPU) and keep --model_dtype float32 (the master weights).")
     check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
     for p in args.reward_model_path:
         check_model_path(p, "classifier", "--reward_model_path")
@@ -629,8 +704,9 @@ ALARMS = {
 
 
 # >>> shared: checkpoints, stop signals and bad steps
-# What may differ between a run and its resumption; every other argument must be the same.
-RESUMABLE = ("resume", "num_iterations", "output_dir", "total_episodes", "save_every", "keep_checkpoints", "max_bad_steps", "on_reward_error",
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # a plain run's checkpoints are written by one process: as meant
+# What may differ between a run and its resumption (the number of processes too); every other argument must be the same.
+RESUMABLE = ("resume", "num_iterations", "world_size", "output_dir", "total_episodes", "save_every", "keep_checkpoints", "max_bad_steps", "on_reward_error",
              "track", "wandb_project", "exp_name", "log_samples_every")
 
 
@@ -646,24 +722,25 @@ def find_checkpoint(args):
         args.resume = (checkpoints_in(args.output_dir) or [None])[-1]
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"--resume auto: {f'resuming from {args.resume}' if args.resume else f'no checkpoint in {args.output_dir}, starting afresh'}")
-    if args.resume and not os.path.isfile(os.path.join(args.resume, "trainer.pt")):
-        raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no trainer.pt); pass an {args.output_dir}/checkpoint-N folder, or auto.")
+    if args.resume and not os.path.isfile(os.path.join(args.resume, "state.json")):
+        raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no state.json); pass an {args.output_dir}/checkpoint-N folder, or auto.")
     saved = json.load(open(os.path.join(args.resume, "args.json"))) if args.resume else {}
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
     changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
     if changed:
         raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass those of its args.json "
-                         f"(only {', '.join('--' + k for k in RESUMABLE[2:])} may change).")
+                         f"(only {', '.join('--' + k for k in RESUMABLE[3:])} may change).")
 
 
-def rng_states():
-    return {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+def trainer_state_dicts(models, optimizers):
+    """Each trained model's and optimiser's state, keyed by parameter name (under FSDP2, this process's shards)."""
+    return {k: dict(zip(("model", "optimizer"), get_state_dict(models[k], optimizers[k]))) for k in models}
 
 
-def save_checkpoint(args, models, optimizers, state, rng, rank):
-    """Everything a resumed run needs (trained models, optimisers, the state, each process's random-number states,
-    the log so far), written under a temporary name and then renamed: a kill during a save leaves the previous
-    checkpoint whole. Then all but the newest --keep_checkpoints are deleted."""
+def save_checkpoint(args, models, optimizers, state, rank):
+    """Everything a resumed run needs (the trained models and optimisers, each process writing its own shards with
+    torch.distributed.checkpoint; the state; the log so far), written under a temporary name and then renamed: a kill
+    during a save leaves the previous checkpoint whole. Then all but the newest --keep_checkpoints are deleted."""
     path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
     tmp = path + ".tmp"
     if os.path.isdir(path):  # this very state is saved already (a stop right after resuming)
@@ -672,15 +749,12 @@ def save_checkpoint(args, models, optimizers, state, rng, rank):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
-        with open(os.path.join(tmp, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        torch.save({"state": state, "models": {k: m.state_dict() for k, m in models.items()},
-                    "optimizers": {k: o.state_dict() for k, o in optimizers.items()}}, os.path.join(tmp, "trainer.pt"))
+        for name, content in (("args.json", asdict(args)), ("state.json", state)):
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(content, f, indent=2)
     if args.world_size > 1:
         dist.barrier()  # the folder exists
-    torch.save(rng, os.path.join(tmp, f"rng-{rank}.pt"))
-    if args.world_size > 1:
-        dist.barrier()  # every process has written
+    dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)  # returns when every process has written
     if rank == 0:
         os.rename(tmp, path)
         cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") and n.endswith(".tmp")]
@@ -689,17 +763,15 @@ def save_checkpoint(args, models, optimizers, state, rng, rank):
     return path
 
 
-def load_checkpoint(path, models, optimizers, rank):
-    """Put the models, optimisers and random-number generators back as they were saved; returns the state."""
-    saved, rng = torch.load(os.path.join(path, "trainer.pt")), torch.load(os.path.join(path, f"rng-{rank}.pt"))
+def load_checkpoint(path, models, optimizers):
+    """Put the trained models and optimisers back as they were saved (resharded, should the number of processes
+    differ); returns the state. Nothing random needs restoring: every draw of an iteration is seeded by (seed, iteration)."""
+    saved = trainer_state_dicts(models, optimizers)
+    dcp.load(saved, checkpoint_id=path)
     for k in models:
-        models[k].load_state_dict(saved["models"][k])
-        optimizers[k].load_state_dict(saved["optimizers"][k])
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return saved["state"]
+        set_state_dict(models[k], optimizers[k], model_state_dict=saved[k]["model"], optim_state_dict=saved[k]["optimizer"])
+    with open(os.path.join(path, "state.json")) as f:
+        return json.load(f)
 
 
 def catch_stop_signals():
@@ -718,17 +790,23 @@ def catch_stop_signals():
     return received
 
 
-def stop_and_save(received, args, models, optimizers, state, rng, rank, device):
+def stop_and_save(received, args, models, optimizers, state, rank, device):
     """When any process was signalled, every process saves this state and the run exits (non-zero)."""
     signum = torch.tensor(received[:1] or [0], device=device)
     if args.world_size > 1:
         dist.all_reduce(signum, op=dist.ReduceOp.MAX)
     if signum.item():
-        path = save_checkpoint(args, models, optimizers, state, rng, rank)
+        path = save_checkpoint(args, models, optimizers, state, rank)
         command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
         if rank == 0:
             print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} --resume {path}", flush=True)
         raise SystemExit(128 + signum.item())
+
+
+def clip_grad_norm(model, max_norm):
+    """Clip the model's gradient norm to max_norm; returns the norm before clipping (under FSDP2, over all shards)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def step_is_finite(grad_norms, state, iteration, args):
@@ -774,13 +852,14 @@ def main(args):
     # --- distributed set-up: one process per device under torchrun; a plain run needs none of it ---
     # >>> shared: set-up
     rank, local_rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if args.world_size > 1:
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun (even with one process): the models are sharded with FSDP2
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
     is_main = rank == 0
     validate(args)
-    random.seed(args.seed + rank)
-    torch.manual_seed(args.seed + rank)
+    torch.manual_seed(args.seed)  # the same on every process, so that a new value head starts the same everywhere
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
     if tokenizer.eos_token_id is None:
@@ -799,11 +878,12 @@ def main(args):
     policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
     value_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5)
     models, optimizers = {"policy": policy, "value": value_model}, {"policy": policy_optimizer, "value": value_optimizer}
+    all_models = [policy, ref_policy, *reward_models, value_model]
     # Everything besides the models and optimisers that a resumed run needs, in one place.
     state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0, score_count=0.0,
                  alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
     if args.resume:
-        state = load_checkpoint(args.resume, models, optimizers, rank)
+        state = load_checkpoint(args.resume, models, optimizers)
 
     # >>> shared: outputs and the starting policy's held-out score
     if is_main:
@@ -827,29 +907,32 @@ def main(args):
     # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
-        t0, state_before, rng_before = time.time(), dict(state), rng_states()  # what a stop before the update saves
+        t0, state_before = time.time(), dict(state)  # what a stop before the update saves
         # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
         # >>> shared: prompts
         if state["data_cursor"] + args.rollout_batch_size > len(prompts):
             state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed + state["data_epoch"])).tolist()
-        start = state["data_cursor"] + rank * local_batch
-        idx = [order[i % len(prompts)] for i in range(start, start + local_batch)]
+        batch = [order[i % len(prompts)] for i in range(state["data_cursor"], state["data_cursor"] + args.rollout_batch_size)]  # all processes'
+        idx, width = batch[rank * local_batch : (rank + 1) * local_batch], max(len(prompts[i]) for i in batch)  # one width, so rows can be gathered
         state["data_cursor"] += args.rollout_batch_size
         # <<< shared: prompts
-        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)  # (B, P)
+        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)  # (B, P)
         P = prompt_ids.shape[1]
 
         # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
         # >>> shared: generate and score
-        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature, tokenizer.eos_token_id, tokenizer.pad_token_id)  # (B, T) each
+        draws = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process: each row's uniforms, then the minibatches
+        uniforms = torch.rand(len(idx) * args.world_size, args.response_length, generator=draws)[rank * len(idx) : (rank + 1) * len(idx)].to(device)
+        responses, logprobs_old, response_mask = pad_responses(*generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
+                                                                         tokenizer.eos_token_id, tokenizer.pad_token_id, uniforms), tokenizer.pad_token_id)  # (B, T) each
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
                                                                        response_mask, [answers[i] for i in idx], args)  # (B,)
         has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,)
-        stop_and_save(received, args, models, optimizers, state_before, rng_before, rank, device)  # a signal so far: drop this rollout
+        stop_and_save(received, args, models, optimizers, state_before, rank, device)  # a signal so far: drop this rollout
         # <<< shared: generate and score
 
         with torch.no_grad():
@@ -873,27 +956,31 @@ def main(args):
         t_score = time.time() - t0 - t_generate
 
         # --- 5. optimise: epochs of shuffled minibatches, accumulated over micro-batches ---
+        # Every process holds the whole rollout and takes its share of each global minibatch: the minibatches, and so
+        # the run, are the same whatever the number of processes.
+        rollout = gather_rows(dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, logprobs_old=logprobs_old,
+                                   advantages=advantages, values_old=values_old, returns=returns))
         local_minibatch = args.minibatch_size // args.world_size
         sums, counts = defaultdict(float), defaultdict(float)
         ratio_max, first_ratio_dev = torch.zeros((), device=device), None
         for epoch in range(args.num_epochs):
-            perm = torch.randperm(local_batch, device=device)
-            for mb_start in range(0, local_batch, local_minibatch):
-                mb_idx = perm[mb_start : mb_start + local_minibatch]
-                mb_mask = response_mask[mb_idx].float()
-                mb_tokens = masked_sum_count(mb_mask, mb_mask)[1].item()  # valid tokens in the global minibatch
+            perm = torch.randperm(args.rollout_batch_size, generator=draws).to(device)
+            for mb_start in range(0, args.rollout_batch_size, args.minibatch_size):
+                mb_idx = perm[mb_start : mb_start + args.minibatch_size]
+                mb_tokens = rollout["response_mask"][mb_idx].sum().item()  # valid tokens in the global minibatch
+                mine = mb_idx[rank * local_minibatch : (rank + 1) * local_minibatch]
                 for micro_start in range(0, local_minibatch, args.micro_batch_size):
-                    i = mb_idx[micro_start : micro_start + args.micro_batch_size]
-                    mask = response_mask[i].float()  # (b, T)
-                    logprobs, entropy = response_logprobs(policy, input_ids[i], attention_mask[i], P, args.temperature, return_entropy=True)
-                    values = head_outputs(value_model, input_ids[i], attention_mask[i])[:, P - 1 : -1]  # (b, T)
-                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, logprobs_old[i], advantages[i], args.clip_range)
-                    vf_loss, vf_clipped = value_loss(values, values_old[i], returns[i], args.value_clip_range)
+                    b = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}  # (b, ...) each
+                    mask = b["response_mask"].float()  # (b, T)
+                    logprobs, entropy = response_logprobs(policy, b["input_ids"], b["attention_mask"], P, args.temperature, return_entropy=True)
+                    values = head_outputs(value_model, b["input_ids"], b["attention_mask"])[:, P - 1 : -1]  # (b, T)
+                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, b["logprobs_old"], b["advantages"], args.clip_range)
+                    vf_loss, vf_clipped = value_loss(values, b["values_old"], b["returns"], args.value_clip_range)
                     # Token mean over the whole minibatch on all processes, so micro-batching changes nothing.
                     loss = ((pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy) * mask).sum() / mb_tokens
-                    loss.backward()
+                    loss.backward()  # under FSDP2, also sums the gradients over the processes
                     with torch.no_grad():
-                        log_ratio = (logprobs - logprobs_old[i]) * mask
+                        log_ratio = (logprobs - b["logprobs_old"]) * mask
                         for key, x in (("policy/loss", pg_loss), ("val/loss", vf_loss), ("policy/entropy", entropy), ("policy/clipfrac", pg_clipped),
                                        ("val/clipfrac", vf_clipped), ("policy/ratio_mean", ratio), ("policy/approx_kl", (ratio - 1) - log_ratio)):
                             sums[key] += (x * mask).sum().item()
@@ -901,15 +988,10 @@ def main(args):
                         ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
                         if first_ratio_dev is None:  # ~0 unless logprobs_old went stale: a free sanity check
                             first_ratio_dev = ((ratio - 1).abs() * mask).max().item()
-                norms = []
-                for name, model in models.items():
-                    if args.world_size > 1:  # each process summed its share of the global token mean
-                        for p in model.parameters():
-                            if p.grad is not None:
-                                dist.all_reduce(p.grad)
-                    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
-                    sums[f"grad_norm/{name}"] += norms[-1].item()
-                finite = step_is_finite(norms, state, iteration, args)
+                norms = {name: clip_grad_norm(model, args.max_grad_norm) for name, model in models.items()}
+                for name, norm in norms.items():
+                    sums[f"grad_norm/{name}"] += norm.item()
+                finite = step_is_finite(norms.values(), state, iteration, args)
                 for optimizer in optimizers.values():
                     if finite:
                         optimizer.step()
@@ -927,7 +1009,7 @@ def main(args):
         opt = dict(zip(sorted(sums), tok_stats[:-2].tolist()))
         n_tokens, n_steps = tok_stats[-2].item(), tok_stats[-1].item()
         lengths = response_mask.sum(1).float()
-        token_lists = [r[: int(n)].tolist() for r, n in zip(responses, lengths)]
+        token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], rollout["response_mask"].sum(1))]  # all processes'
         m = {
             "iteration": iteration,
             "episodes": state["episodes"],
@@ -936,14 +1018,15 @@ def main(args):
             "policy/ratio_max": ratio_max.item(),
             "response/length": global_mean(lengths),
             "response/eos_rate": global_mean(has_eos),
-            "response/distinct1": global_mean(torch.tensor([distinct_n(token_lists, 1)], device=device)),
-            "response/distinct2": global_mean(torch.tensor([distinct_n(token_lists, 2)], device=device)),
+            "response/distinct1": distinct_n(token_lists, 1),
+            "response/distinct2": distinct_n(token_lists, 2),
             "time/generate": t_generate,
             "time/score": t_score,
             "time/optimize": t_optimize,
             "time/iteration": time.time() - t0,
             "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
             "health/skipped_steps": state["skipped_steps"],
+            "memory/model_states_mb": megabytes_held(all_models, optimizers.values()),  # this process's (rank 0's)
         }
         if rule_scores is not None:
             m["objective/accuracy"] = global_mean(rule_scores)
@@ -992,20 +1075,21 @@ def main(args):
                 if args.track:
                     wandb.log({"samples": wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])}, step=state["episodes"])
         state["alarms_on"] = [name for name, on in firing.items() if on]
-        rng = rng_states()
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
-            save_checkpoint(args, models, optimizers, state, rng, rank)
-        stop_and_save(received, args, models, optimizers, state, rng, rank, device)
+            save_checkpoint(args, models, optimizers, state, rank)
+        stop_and_save(received, args, models, optimizers, state, rank, device)
 
-    # --- last: save the final policy where from_pretrained can load it ---
+    # --- last: save the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
+    weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = {k: v for k, v in weights.items() if k in dict(policy.named_parameters()) or k in dict(policy.named_buffers())}  # tied ones once
     if is_main:
         metrics_file.close()
-        policy.save_pretrained(args.output_dir)
+        policy.save_pretrained(args.output_dir, state_dict=weights)
         tokenizer.save_pretrained(args.output_dir)
         print(f"saved the policy to {args.output_dir}")
         if args.track:
             wandb.finish()
-    if args.world_size > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     # <<< shared: evaluate, alarms, log and save
 

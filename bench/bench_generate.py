@@ -1,12 +1,14 @@
 """Sampling throughput: ppo.py's `generate` against transformers' `model.generate` and a loop without a KV cache.
 
-Methods (the same sampling in each: softmax(logits / T), torch.multinomial, left-padded prompts):
-  scripts      `generate` of ppo.py (shared with grpo.py and rloo.py): KV cache, and the log-prob of each sampled
-               token (token_logprobs), which the other two do not compute.
+Methods (the same distribution in each: softmax(logits / T); left-padded prompts):
+  scripts      `generate` of ppo.py (shared with grpo.py and rloo.py): KV cache, sampling by inverse CDF from uniforms
+               drawn beforehand (one row per sequence), and the log-prob of each sampled token (token_logprobs), which
+               the other two do not compute.
   hf-generate  model.generate(do_sample=True, temperature=T, top_k=0, top_p=1.0, use_cache=True). top_k=0 turns
                off transformers' default top-k of 50; with T = 1 no logits processor runs at all, otherwise only
                TemperatureLogitsWarper (the division by T that the others do too).
   no-cache     the full forward over the whole sequence at every step (logits of the last position only).
+The other two sample with torch.multinomial, so their tokens differ from the scripts' for the same seed.
 Every method generates exactly N tokens for every row: EOS is never sampled. `generate` gets eos_token_id=-1 (no
 token equals it), model.generate gets eos_token_id=None, which in transformers 5.x leaves only the max-length
 stopping criterion (no min_new_tokens, which would add a processor that masks the EOS logit); no-cache has no stop.
@@ -81,7 +83,8 @@ def make_prompts(batch, prompt_len, vocab_size, pad, device, seed=0):
 
 # ----------------------------------------------------------------------------------------------- methods
 def run_scripts(model, ids, mask, n, temperature, pad, greedy=False):
-    return generate(model, ids, mask, n, temperature, NEVER, pad, greedy=greedy)[0]
+    uniforms = None if greedy else torch.rand(ids.shape[0], n, device=ids.device)
+    return generate(model, ids, mask, n, temperature, NEVER, pad, uniforms)[0]
 
 
 def run_hf(model, ids, mask, n, temperature, pad, greedy=False):
@@ -136,8 +139,8 @@ class PartTimer:
 
 
 @torch.no_grad()
-def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id):
-    """ppo.py's `generate` (sampling branch) statement for statement, each part inside a timer."""
+def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, uniforms):
+    """ppo.py's `generate` (sampling branch; no FSDP) statement for statement, each part inside a timer."""
     with timer("prefill"):
         B = prompt_ids.shape[0]
         cache = DynamicCache()
@@ -148,9 +151,10 @@ def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, tempe
         done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
         tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
-        with timer("sampling (softmax + multinomial)"):
+        with timer("sampling (softmax + inverse CDF)"):
             probs = torch.softmax(logits.float() / temperature, dim=-1)
-            token = torch.multinomial(probs, 1).squeeze(-1)
+            cdf = probs.cumsum(-1)
+            token = torch.searchsorted(cdf, uniforms[:, step, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
         with timer("log-prob (token_logprobs)"):
             logprob = token_logprobs(logits, token, temperature)
         with timer("bookkeeping (where, appends, done)"):
@@ -279,10 +283,11 @@ def main(argv=None):
 def part_table(model, model_name, batch, n, ids, mask, pad, a, device, untimed):
     """Where the scripts' loop spends its time in one cell: ms per decode step of each part (over --repeats)."""
     timer = PartTimer(device)
-    generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad)  # warm-up
+    uniforms = torch.rand(ids.shape[0], n, device=ids.device)
+    generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad, uniforms)  # warm-up
     timer.seconds.clear()
     for _ in range(a.repeats):
-        generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad)
+        generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad, uniforms)
     total = sum(timer.seconds.values())
     rows = [f"Scripts' loop, {model_name}, batch {batch}, {n} new tokens: ms per generated token (prefill: per call), "
             f"synchronised timers around each part",

@@ -215,8 +215,8 @@ def test_sampled_logprobs_equal_teacher_forced():
         policy.lm_head.weight[EOS] *= 0
         policy.lm_head.bias = None
     prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
-    torch.manual_seed(1)
-    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, 12, 0.7, EOS, PAD)
+    uniforms = torch.rand(6, 12, generator=torch.Generator().manual_seed(1))
+    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, 12, 0.7, EOS, PAD, uniforms)
     lengths = response_mask.sum(1)
     assert 0 < (responses == EOS).any(1).sum() < len(responses) or lengths.min() < 12  # a mix of stopped and running
     for b in range(len(responses)):  # the mask covers the response up to and including its EOS, pad after
@@ -230,6 +230,38 @@ def test_sampled_logprobs_equal_teacher_forced():
     with torch.no_grad():
         teacher_forced = ppo.response_logprobs(policy, input_ids, attention_mask, prompt_ids.shape[1], 0.7)
     torch.testing.assert_close(teacher_forced * response_mask, logprobs_old, atol=2e-5, rtol=1e-5)
+
+
+def test_sampling_follows_the_tempered_softmax():
+    """Inverse-CDF sampling from uniforms: over 20,000 draws of the first token, each token's frequency is within
+    five binomial standard deviations of its probability, softmax(logits / T) computed apart in float64."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_config()).eval()
+    prompt_ids, prompt_mask = left_padded_prompts([4], 40, seed=3)
+    n = 20_000
+    uniforms = torch.rand(n, 1, generator=torch.Generator().manual_seed(4))
+    tokens = ppo.generate(policy, prompt_ids.expand(n, -1), prompt_mask.expand(n, -1), 1, 0.7, EOS, PAD, uniforms)[0][:, 0]
+    with torch.no_grad():
+        probs = torch.softmax(policy(input_ids=prompt_ids).logits[0, -1].double() / 0.7, -1)
+    frequency = torch.bincount(tokens, minlength=len(probs)).double() / n
+    assert ((frequency - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
+    assert (frequency[probs < 1e-6] == 0).all()
+
+
+def test_a_response_does_not_depend_on_its_batch():
+    """Each row samples from its own uniforms: alone, or in another batch, it gets the same tokens (what makes a run
+    the same on any number of processes)."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_config()).eval()
+    prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
+    uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(2))
+    together = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, EOS, PAD, uniforms)
+    for b in range(6):
+        width = int(prompt_mask[b].sum())
+        alone = ppo.generate(policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], 10, 0.7, EOS, PAD, uniforms[b : b + 1])
+        n = alone[0].shape[1]
+        assert torch.equal(alone[0][0], together[0][b, :n]) and (together[2][b, n:] == 0).all()
+        torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=1e-5, rtol=1e-5)
 
 
 def test_response_logprobs_equal_plain_torch():

@@ -3,10 +3,10 @@ weights as one never stopped; a kill during a save leaves the previous checkpoin
 a failing reward function is named; the same seed gives the same run; nothing opens a socket; bad input stops
 with one sentence before any model loads.
 
-Why a resumed run is bitwise the same run on a CPU: everything random is drawn from generators whose states the
-checkpoint holds (the global torch and Python generators that sample responses and shuffle minibatches), or from
-generators seeded afresh from the seed (the data order, from seed + data epoch; evaluation, from the seed); the
-models and Adam states are saved exactly; and CPU kernels are deterministic for a fixed thread count."""
+Why a resumed run is bitwise the same run on a CPU: everything random is drawn from generators seeded afresh from
+the seed (each iteration's samples and minibatches from (seed, iteration), the data order from seed + data epoch,
+evaluation from the seed), so there is no generator state to save; the models and Adam states are saved exactly
+(torch.distributed.checkpoint); and CPU kernels are deterministic for a fixed thread count."""
 import json
 import os
 import shlex
@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoTokenizer
 
 import grpo
@@ -48,10 +49,16 @@ def read_rows(out):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
+def checkpointed(checkpoint):
+    """A checkpoint's trained models and optimiser states, {name: {"model": ..., "optimizer": ...}}, read into one process."""
+    flat = str(checkpoint) + ".pt"
+    dcp_to_torch_save(checkpoint, flat)
+    return torch.load(flat)
+
+
 def final_state(out, iteration=6):
     """The saved policy and the last checkpoint's models and optimiser states."""
-    saved = torch.load(os.path.join(out, f"checkpoint-{iteration}", "trainer.pt"))
-    return load_file(os.path.join(out, "model.safetensors")), saved["models"], saved["optimizers"]
+    return load_file(os.path.join(out, "model.safetensors")), checkpointed(os.path.join(out, f"checkpoint-{iteration}"))
 
 
 def assert_bitwise_equal(a, b):
@@ -132,7 +139,7 @@ def test_a_stopped_and_resumed_run_is_the_same_run(script, stop, tmp_path, unint
 
 
 def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
-    """Two processes (gloo): each saves its own random-number states beside rank 0's models; torchrun passes
+    """Two processes (gloo, FSDP2): each writes its own shards of the models and optimiser states; torchrun passes
     SIGTERM on to both, and the command they print resumes the run."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     args = [os.path.join(ROOT, "rloo.py"), *cli("rloo.py", save_every=3, micro_batch_size=4)]  # 4 responses per process
@@ -147,7 +154,7 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
     assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
     checkpoint = argv[argv.index("--resume") + 1]
-    assert sorted(os.listdir(checkpoint)) == ["args.json", "metrics.jsonl", "rng-0.pt", "rng-1.pt", "trainer.pt"]
+    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json", "metrics.jsonl", "state.json"]
     result = subprocess.run([*torchrun, *argv[2:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == without_timing(read_rows(tmp_path / "full"))
@@ -159,14 +166,14 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, uninterru
     out, flag = tmp_path / "run", tmp_path / "saving"
     prelude = tmp_path / "slow_save.py"
     prelude.write_text(f"""import os, runpy, sys, time
-import torch
-save = torch.save
-def slow_save(obj, f, *args, **kwargs):  # the save of checkpoint-2 hangs half-way, long enough to be killed
-    save(obj, f, *args, **kwargs)
-    if "checkpoint-2.tmp" in str(f):
+import torch.distributed.checkpoint as dcp
+save = dcp.save
+def slow_save(state_dict, checkpoint_id):  # the save of checkpoint-2 hangs before its rename, long enough to be killed
+    save(state_dict, checkpoint_id=checkpoint_id)
+    if "checkpoint-2.tmp" in str(checkpoint_id):
         open({str(flag)!r}, "w").close()
         time.sleep(120)
-torch.save = slow_save
+dcp.save = slow_save
 sys.argv = sys.argv[1:]
 sys.path.insert(0, {ROOT!r})
 runpy.run_path(sys.argv[0], run_name="__main__")
@@ -178,7 +185,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     proc.send_signal(signal.SIGTERM)  # ...the second ends the run at once, mid-save
     printed = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
-    assert sorted(os.listdir(out / "checkpoint-1")) == ["args.json", "metrics.jsonl", "rng-0.pt", "trainer.pt"]
+    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "args.json", "metrics.jsonl", "state.json"]
     assert (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
     rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
     assert f"resuming from {out / 'checkpoint-1'}" in printed
@@ -242,12 +249,11 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(script, tmp_path, monk
     module = MODULES[script]
     poison_the_loss(monkeypatch, script, bad_calls={2})
     module.main(args_for(script, tmp_path, total_episodes=24, save_every=1, keep_checkpoints=10))
-    states = [torch.load(tmp_path / f"checkpoint-{i}" / "trainer.pt") for i in (1, 2, 3)]
+    states = [checkpointed(tmp_path / f"checkpoint-{i}") for i in (1, 2, 3)]
     # iteration 2's step was skipped: its weights and optimiser states are those after iteration 1
-    assert_bitwise_equal(states[1]["models"], states[0]["models"])
-    assert_bitwise_equal(states[1]["optimizers"], states[0]["optimizers"])
+    assert_bitwise_equal(states[1], states[0])
     # and the run went on: iteration 3 stepped
-    assert not torch.equal(states[2]["models"]["policy"]["model.norm.weight"], states[1]["models"]["policy"]["model.norm.weight"])
+    assert not torch.equal(states[2]["policy"]["model"]["model.norm.weight"], states[1]["policy"]["model"]["model.norm.weight"])
     rows = read_rows(tmp_path)
     assert [r["health/skipped_steps"] for r in rows] == [0, 1, 1]
     assert "iteration 2: a non-finite loss or gradient" in capsys.readouterr().out
@@ -377,7 +383,7 @@ COMMON_BAD = [
     (dict(save_every=-1), "--save_every must be 0 \\(never\\) or more"),
     (dict(keep_checkpoints=0), "--keep_checkpoints must be at least 1"),
     (dict(max_bad_steps=0), "--max_bad_steps must be at least 1"),
-    (dict(resume="/nonexistent/checkpoint-3"), "is not a checkpoint \\(it has no trainer.pt\\)"),
+    (dict(resume="/nonexistent/checkpoint-3"), "is not a checkpoint \\(it has no state.json\\)"),
     (dict(minibatch_size=8, micro_batch_size=3), "does not divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
 ]

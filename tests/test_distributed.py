@@ -1,0 +1,124 @@
+"""torchrun with FSDP2 (gloo, CPU): for each script, two processes compute what one process computes, with half the
+model state each, and a run goes on from a checkpoint on another number of processes.
+
+Why two processes agree with one:
+- every random draw of an iteration comes from one generator seeded by (seed, iteration) and drawn in full on every
+  process: the uniforms that sample each response (a row per response; each process takes its rows) and the
+  permutations that make the minibatches of the global rollout;
+- prompts are left-padded to the width of the global batch and responses right-padded to the longest anywhere, and
+  the rollout is gathered, so each process computes its share of the same global minibatches; its loss is its share
+  of the global loss, and FSDP2 sums the gradients;
+- whatever the algorithm takes over the batch (whitening, score moments, group statistics, the KL, the dashboard) is
+  all-reduced; evaluation gives each process a contiguous share of the held-out prompts with their own draws.
+What is left is float32 rounding (matrix products over 8 rows rather than 16, sums in another order), so the logged
+values agree to 1e-5 relative, with a floor of 1e-6 absolute for values that are nearly cancelling sums (the KL at the
+first iteration, where the policy is the reference, is rounding alone), and the weights to 1e-5.
+Not compared: time/*, memory/* (it is what must differ) and policy/first_ratio_dev (the first micro-batch of rank 0,
+which is another micro-batch than the single process's first)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from helpers import ROOT, run_script
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+# Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
+# batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
+ARGS = {
+    "ppo.py": ["--total_episodes", "48", "--rollout_batch_size", "16", "--minibatch_size", "8", "--micro_batch_size", "2", "--num_epochs", "2"],
+    "grpo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8", "--minibatch_size", "16", "--micro_batch_size", "4",
+                "--num_epochs", "2"],
+    "rloo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8", "--minibatch_size", "16", "--micro_batch_size", "4",
+                "--num_epochs", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory):
+    runs = {}
+    for task in ("reviews", "arithmetic"):
+        path = tmp_path_factory.mktemp("held_out") / "test.jsonl"
+        path.write_text("".join(open(os.path.join(ROOT, "assets", task, "test.jsonl")).readlines()[:15]))
+        runs[task] = str(path)
+    return runs
+
+
+def common(script, held_out):
+    task = "arithmetic" if script == "grpo.py" else "reviews"
+    return [*ARGS[script], "--response_length", "8", "--eval_every", "1", "--eval_batch_size", "4", "--eval_dataset", held_out[task], "--save_every", "1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, held_out):
+    """Each script once on one process and once on two (computed once per script)."""
+    done = {}
+
+    def get(script):
+        if script not in done:
+            one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+            rows_one, _ = run_script(script, one, *common(script, held_out))
+            result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(two), *common(script, held_out)],
+                                    cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done[script] = (one, rows_one, two, read_rows(two))
+        return done[script]
+
+    return get
+
+
+def read_rows(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def compared(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "policy/first_ratio_dev"} for r in rows]
+
+
+def assert_rows_agree(got, expected):
+    assert len(got) == len(expected) == 4  # the held-out row 0 and three iterations
+    for a, b in zip(compared(got), compared(expected)):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), f"iteration {a['iteration']} {k}: {a[k]} on two processes, {b[k]} on one"
+
+
+def assert_same_model(got, expected):
+    a, b = (AutoModelForCausalLM.from_pretrained(str(p)).state_dict() for p in (got, expected))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("script", list(ARGS))
+def test_two_processes_compute_what_one_computes(script, runs):
+    one, rows_one, two, rows_two = runs(script)
+    assert_rows_agree(rows_two, rows_one)
+    assert "policy/kl_term" in rows_one[-1] or "objective/kl" in rows_one[-1]  # the KL is among what was compared
+    assert_same_model(two, one)  # the saved policy, gathered from the shards, loads with from_pretrained
+    assert AutoConfig.from_pretrained(str(two)).architectures == ["LlamaForCausalLM"]  # not the FSDP wrapper's class
+
+
+@pytest.mark.parametrize("script", list(ARGS))
+def test_each_process_holds_about_half_the_model_state(script, runs):
+    """Parameters of every model plus Adam states, counted over the local shards of rank 0 (FSDP2 pads a shard by
+    at most one row of a weight)."""
+    _, rows_one, _, rows_two = runs(script)
+    ratio = rows_two[-1]["memory/model_states_mb"] / rows_one[-1]["memory/model_states_mb"]
+    assert 0.45 <= ratio <= 0.55
+
+
+def test_a_run_goes_on_from_a_checkpoint_on_another_number_of_processes(runs, held_out, tmp_path):
+    """The two-process run's checkpoint after iteration 2 (sharded in two), resumed on one process, ends as the
+    one-process run does."""
+    one, rows_one, two, _ = runs("rloo.py")
+    out = tmp_path / "resumed"
+    rows, _ = run_script("rloo.py", out, *common("rloo.py", held_out), "--resume", str(two / "checkpoint-2"))
+    assert_rows_agree(rows, rows_one)
+    assert_same_model(out, one)
