@@ -875,8 +875,8 @@ def main(args):
     responses_per_iteration = args.rollout_batch_size
     args.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
-    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
-    value_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5)
+    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # fused: one pass over the weights per step
+    value_optimizer = torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5, fused=True)
     models, optimizers = {"policy": policy, "value": value_model}, {"policy": policy_optimizer, "value": value_optimizer}
     all_models = [policy, ref_policy, *reward_models, value_model]
     # Everything besides the models and optimisers that a resumed run needs, in one place.

@@ -855,7 +855,7 @@ def main(args):
     reinforce = args.num_epochs == 1 and args.minibatch_size == responses_per_iteration  # one update per rollout
     args.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models = build_models(args, tokenizer, device)
-    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5)
+    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # fused: one pass over the weights per step
     models, optimizers = {"policy": policy}, {"policy": policy_optimizer}
     all_models = [m for m in (policy, ref_policy, *reward_models) if m is not None]
     # Everything besides the model and optimiser that a resumed run needs, in one place.
