@@ -42,10 +42,11 @@ import tyro
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 from transformers.cache_utils import DynamicCache
 
 from rlhf_kernels import token_logprobs
+from tqdm import tqdm
 
 
 @dataclass
@@ -82,7 +83,9 @@ class Args:
     eval_split: str = "test"
     """split of a hub --eval_dataset"""
     prompt_field: str = "prompt"
-    """the dataset column holding the prompt text"""
+    """the dataset column holding the prompts: text, or chat messages (a list of {"role", "content"})"""
+    chat_template: bool = False
+    """render each text prompt as one user message through the tokenizer's chat template (chat messages always are)"""
     answer_field: str = "answer"
     """the dataset column holding the reference answer (rule rewards only)"""
     max_prompt_length: int = 64
@@ -94,7 +97,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; the log-probs of training and KL use the same temperature"""
     missing_eos_penalty: float = 1.0
-    """subtracted from the score (after any normalisation) of a response that ends without EOS"""
+    """subtracted from the score (after any normalisation) of a response that ends without EOS (or the chat template's end of turn)"""
     max_grad_norm: float = 1.0
     """gradient-norm clip, per trained model"""
     ent_coef: float = 0.0
@@ -318,10 +321,10 @@ def head_outputs(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, uniforms=None):
+def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms=None):
     """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits
-    it was sampled from (logprobs_old). Left-padded prompts; a sequence stops at its first EOS, after
-    which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and response_mask (B, T),
+    it was sampled from (logprobs_old). Left-padded prompts; a sequence stops at its first stop token (stop_ids: EOS
+    and any end-of-turn token), after which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and response_mask (B, T),
     where the mask covers every token up to and including the EOS. Token t of row b is the first whose cumulative
     probability passes uniforms[b, t], drawn beforehand for each row (B, max_new_tokens), so that a response does not
     depend on the batch or the process it is sampled in; without uniforms, the argmax (greedy, for evaluation)."""
@@ -343,7 +346,7 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_t
         masks.append(~done)
         tokens.append(torch.where(done, pad_token_id, token))
         logprobs.append(torch.where(done, 0.0, logprob))
-        done = done | (token == eos_token_id)
+        done = done | torch.isin(token, stop_ids)
         if done.all() or step == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
@@ -400,7 +403,7 @@ def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_ma
 
 
 @torch.no_grad()
-def evaluate(policy, reward_models, reward_fn, tokenizer, prompts, answers, args, rank, device):
+def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, prompts, answers, args, rank, device):
     """Mean raw score on held-out prompts, sampled at the training temperature and greedy (with a rule reward
     that is the accuracy). Each prompt has its own draws, the same at every evaluation and whatever the number of processes."""
     uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed)).to(device)
@@ -414,7 +417,7 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, prompts, answers, args
             idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.eval_batch_size]]
             prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
             responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
-                                                   tokenizer.eos_token_id, tokenizer.pad_token_id, None if greedy else uniforms[idx])
+                                                   stop_ids, tokenizer.pad_token_id, None if greedy else uniforms[idx])
             input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
             scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx], args)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
@@ -540,9 +543,14 @@ def load_prompts(path, split, args, tokenizer):
         if missing:
             raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has {list(row) if isinstance(row, dict) else type(row).__name__}); "
                              "pass --prompt_field with the column holding the prompts.")
-        if not isinstance(row[args.prompt_field], str):
-            raise SystemExit(f"row {n} of '{path}' has a {type(row[args.prompt_field]).__name__} as its prompt; prompts must be text.")
-    prompts = [tokenizer(row[args.prompt_field], add_special_tokens=False)["input_ids"] for row in rows]
+        prompt = row[args.prompt_field]
+        is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        if not isinstance(prompt, str) and not is_chat:
+            raise SystemExit(f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or a list of {{\"role\", \"content\"}} messages.")
+        if (is_chat or args.chat_template) and tokenizer.chat_template is None:
+            raise SystemExit(f"row {n} of '{path}' needs a chat template, but the tokenizer of '{args.model_name_or_path}' has none; "
+                             "set tokenizer.chat_template and save it, or pass text prompts without --chat_template.")
+    prompts = [tokenizer(chat_text(row[args.prompt_field], tokenizer, args), add_special_tokens=False)["input_ids"] for row in rows]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
         longest = max(len(prompts[i]) for i in too_long)
@@ -554,6 +562,32 @@ def load_prompts(path, split, args, tokenizer):
         raise SystemExit(f"dataset '{path}' has empty prompts; remove them (a response needs a prompt to follow).")
     answers = [row[args.answer_field] for row in rows] if args.reward_fn else [None] * len(prompts)
     return prompts, answers
+
+
+def chat_text(prompt, tokenizer, args):
+    """The text the policy continues: chat messages (or, with --chat_template, a text prompt as one user message)
+    rendered by the tokenizer's template up to the start of the assistant's turn; other text as it is."""
+    if isinstance(prompt, str) and not args.chat_template:
+        return prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def stop_token_ids(tokenizer, path):
+    """The tokens that end a response: the tokenizer's EOS, the model's own (an instruct model's generation_config
+    lists its end of turn, such as Qwen's <|im_end|> or Llama 3's <|eot_id|>), and the chat template's end of turn
+    (the special token that follows an assistant message in the template)."""
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # the model has no generation_config.json
+        eos = None
+    ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None}
+    if tokenizer.chat_template is not None:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}], tokenize=False)
+        after = tokenizer(text[text.rindex("2") + 1 :], add_special_tokens=False)["input_ids"]
+        if after and after[0] in tokenizer.added_tokens_decoder and tokenizer.added_tokens_decoder[after[0]].special:
+            ids.add(after[0])
+    return torch.tensor(sorted(ids))
 
 
 def held_out_dataset(args):
@@ -682,7 +716,6 @@ ALARMS = {
 
 
 # >>> shared: checkpoints, stop signals and bad steps
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # a plain run's checkpoints are written by one process: as meant
 # What may differ between a run and its resumption (the number of processes too); every other argument must be the same.
 RESUMABLE = ("resume", "num_iterations", "world_size", "output_dir", "total_episodes", "save_every", "keep_checkpoints", "max_bad_steps", "on_reward_error",
              "track", "wandb_project", "exp_name", "log_samples_every")
@@ -732,7 +765,9 @@ def save_checkpoint(args, models, optimizers, state, rank):
                 json.dump(content, f, indent=2)
     if args.world_size > 1:
         dist.barrier()  # the folder exists
-    dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)  # returns when every process has written
+    with warnings.catch_warnings():  # a plain run's checkpoint is written by one process, as meant: no warning about it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)  # returns when every process has written
     if rank == 0:
         os.rename(tmp, path)
         cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") and n.endswith(".tmp")]
@@ -846,6 +881,7 @@ def main(args):
         warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
         tokenizer.pad_token = tokenizer.eos_token
     prompts, answers = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
+    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
     eval_path = held_out_dataset(args)
     eval_prompts, eval_answers = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
     reward_fn = REWARD_FNS.get(args.reward_fn)
@@ -874,8 +910,10 @@ def main(args):
         wandb = start_wandb(args, state) if args.track else None
     local_batch = args.rollout_batch_size // args.world_size
     t_start, received = time.time() - state["elapsed"], catch_stop_signals()
+    # A live bar with the time left, in a terminal only (a log file keeps one line per iteration); the lines go above it.
+    progress = tqdm(total=args.num_iterations, initial=state["iteration"], unit="iter", disable=not is_main or not sys.stderr.isatty(), dynamic_ncols=True)
     if eval_prompts and not args.resume:  # logged as iteration 0: where the run starts from
-        m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device)}
+        m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_answers, args, rank, device)}
         m["time/elapsed"] = time.time() - t_start
         if is_main:
             print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
@@ -905,13 +943,13 @@ def main(args):
         draws = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process: each row's uniforms, then the minibatches
         uniforms = torch.rand(len(idx) * args.world_size, args.response_length, generator=draws)[rank * len(idx) : (rank + 1) * len(idx)].to(device)
         responses, logprobs_old, response_mask = pad_responses(*generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
-                                                                         tokenizer.eos_token_id, tokenizer.pad_token_id, uniforms), tokenizer.pad_token_id)  # (B, T) each
+                                                                         stop_ids, tokenizer.pad_token_id, uniforms), tokenizer.pad_token_id)  # (B, T) each
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
                                                                        response_mask, [answers[i] for i in idx], args)  # (B,)
-        has_eos = (responses == tokenizer.eos_token_id).any(1)  # (B,)
+        has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         stop_and_save(received, args, models, optimizers, state_before, rank, device)  # a signal so far: drop this rollout
         # <<< shared: generate and score
 
@@ -1037,16 +1075,18 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log ---
         # >>> shared: evaluate, alarms, log and save
         if eval_prompts and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, eval_prompts, eval_answers, args, rank, device))
+            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_answers, args, rank, device))
         m["time/elapsed"] = state["elapsed"] = time.time() - t_start
         firing = failure_alarms(m, state, args)
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
         if is_main:
             shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
-            print(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}", flush=True)
+            tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}")
             for name, on in firing.items():
                 if on and name not in state["alarms_on"]:
-                    print(f"ALARM {name}: {ALARMS[name]}", flush=True)
+                    tqdm.write(f"ALARM {name}: {ALARMS[name]}")
+            progress.set_postfix({label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m and key.startswith("objective/")}, refresh=False)
+            progress.update()
             metrics_file.write(json.dumps(m) + "\n")
             metrics_file.flush()
             if args.track:
@@ -1065,6 +1105,7 @@ def main(args):
     # --- last: save the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     weights = {k: v for k, v in weights.items() if k in dict(policy.named_parameters()) or k in dict(policy.named_buffers())}  # tied ones once
+    progress.close()
     if is_main:
         metrics_file.close()
         policy.save_pretrained(args.output_dir, state_dict=weights)

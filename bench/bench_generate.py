@@ -9,7 +9,7 @@ Methods (the same distribution in each: softmax(logits / T); left-padded prompts
                TemperatureLogitsWarper (the division by T that the others do too).
   no-cache     the full forward over the whole sequence at every step (logits of the last position only).
 The other two sample with torch.multinomial, so their tokens differ from the scripts' for the same seed.
-Every method generates exactly N tokens for every row: EOS is never sampled. `generate` gets eos_token_id=-1 (no
+Every method generates exactly N tokens for every row: EOS is never sampled. `generate` gets stop_ids=-1 (no
 token equals it), model.generate gets eos_token_id=None, which in transformers 5.x leaves only the max-length
 stopping criterion (no min_new_tokens, which would add a processor that masks the EOS logit); no-cache has no stop.
 Tokens/s counts generated positions: batch x new tokens / seconds (the prefill is inside the timing).
@@ -51,7 +51,7 @@ from transformers.cache_utils import DynamicCache  # noqa: E402
 from ppo import generate, position_ids_from  # noqa: E402
 from rlhf_kernels import token_logprobs  # noqa: E402
 
-NEVER = -1  # an eos_token_id no sampled token can equal
+NEVER = -1  # a stop token id no sampled token can equal
 QWEN05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                      num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
                      tie_word_embeddings=True, rms_norm_eps=1e-6)

@@ -7,6 +7,7 @@ Why a resumed run is bitwise the same run on a CPU: everything random is drawn f
 the seed (each iteration's samples and minibatches from (seed, iteration), the data order from seed + data epoch,
 evaluation from the seed), so there is no generator state to save; the models and Adam states are saved exactly
 (torch.distributed.checkpoint); and CPU kernels are deterministic for a fixed thread count."""
+import io
 import json
 import os
 import shlex
@@ -418,3 +419,23 @@ def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted):
     args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})  # more episodes: allowed
     grpo.validate(args)
     assert args.resume == checkpoint
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("script", list(MODULES))
+def test_a_terminal_gets_a_live_progress_bar_and_a_log_file_only_lines(script, tmp_path, monkeypatch, capsys):
+    """In a terminal, a tqdm bar counts the iterations with the time left and the live objective; redirected to a
+    file, stderr gets no bar; either way stdout has one line per iteration (8 responses each: 3 iterations)."""
+    for where, stderr in (("terminal", Terminal()), ("file", io.StringIO())):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        MODULES[script].main(args_for(script, tmp_path / where, total_episodes=24))
+        assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")] == ["1/3", "2/3", "3/3"]
+        bar = stderr.getvalue()
+        if where == "terminal":
+            assert "3/3" in bar and "score=" in bar and "kl=" in bar and "<00:00" in bar  # done, with the objective and the time left
+        else:
+            assert "3/3" not in bar
