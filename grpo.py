@@ -47,6 +47,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from rlhf_kernels import token_logprobs
 from tqdm import tqdm
@@ -130,7 +131,17 @@ class Args:
     replicate_frozen: bool = False
     """under torchrun: a whole copy of the frozen models (reference, reward models) on every process, instead of sharding them"""
     mixed_precision: bool = False
-    """under torchrun: bf16 weights and compute in the forward and backward passes over fp32 master weights, Adam states and gradient sums"""
+    """bf16 compute over fp32 master weights and Adam states (FSDP2's mixed precision under torchrun, autocast in one process); frozen models in bf16"""
+    lora_r: int = 0
+    """LoRA rank: train low-rank adapters on the frozen base of each trained model (0: train every weight); the reference is then the policy with its adapters off"""
+    lora_alpha: float = 16.0
+    """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """the layers that get adapters (names such as q_proj v_proj, or all-linear: every linear layer but the output head)"""
+    save_adapters_only: bool = False
+    """with LoRA: save only the adapters (peft's format) instead of the base with the adapters merged in"""
+    gradient_checkpointing: bool = False
+    """recompute each transformer block's activations in the backward pass instead of keeping them (less memory, about 1/3 more compute)"""
     # <<< shared: arguments
 
     # GRPO: groups, the clipped surrogate, the KL term in the loss
@@ -368,14 +379,22 @@ def call_reward_fn(reward_fn, texts, answers):
 
 
 @torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, answers, args):
-    """The raw score of each full response (B,): the reward models read the last real token (the EOS), the
-    rule reads the decoded text. Also returns the rule's own scores (or None), the texts, and how many
-    responses had no valid score (they stop the run, or with --on_reward_error penalty score below the rest)."""
-    last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) index of the final response token
-    rows = torch.arange(len(responses), device=responses.device)
-    rm_scores = [head_outputs(rm, input_ids, attention_mask)[rows, last] for rm in reward_models]  # K x (B,)
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows, args):
+    """The raw score of each full response (B,): a reward model that shares the policy's tokenizer reads the token
+    ids and scores at the last real token (the EOS); one with a tokenizer of its own reads the prompt and the decoded
+    response re-tokenised for it; the rule reads the decoded text and the row's answer. Also returns the rule's own
+    scores (or None), the texts, and how many responses had no valid score (they stop the run, or with
+    --on_reward_error penalty score below the rest of the batch). rows: each response's dataset row."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) index of the final response token
+    rm_scores = []  # K x (B,)
+    for rm, own_tokenizer in reward_models:
+        if own_tokenizer is None:
+            rm_scores.append(head_outputs(rm, input_ids, attention_mask)[torch.arange(len(responses)), last])
+        else:  # left-padded: the last position is every row's last real token
+            ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts, input_ids.device)
+            rm_scores.append(head_outputs(rm, ids, mask)[:, -1])
+    answers = [row.get(args.answer_field) for row in rows]
     rule_scores, why = call_reward_fn(reward_fn, texts, answers) if reward_fn else (None, "not a finite number")
     rule_scores = torch.tensor(rule_scores, device=responses.device) if reward_fn else None
     score = combine_scores(rm_scores, rule_scores)
@@ -390,8 +409,24 @@ def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_ma
     return score, rule_scores.nan_to_num(0.0) if reward_fn else None, texts, int(bad.sum())
 
 
+def reward_model_inputs(own_tokenizer, prompts, texts, device):
+    """A reward model's input when it has a tokenizer of its own: each prompt (text or chat messages, as the dataset
+    gives it) with its decoded response, through the reward model's chat template where it has one (a user turn and an
+    assistant turn), else the prompt text followed by the response with the tokenizer's own special tokens; left-padded."""
+    sequences = []
+    for prompt, text in zip(prompts, texts):
+        if own_tokenizer.chat_template is not None:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            rendered = own_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": text}], tokenize=False)
+            sequences.append(own_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        else:
+            prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            sequences.append(own_tokenizer(prompt + text)["input_ids"])
+    return left_pad(sequences, own_tokenizer.pad_token_id, device)
+
+
 @torch.no_grad()
-def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, prompts, answers, args, rank, device):
+def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, prompts, rows, args, rank, device):
     """Mean raw score on held-out prompts, sampled at the training temperature and greedy (with a rule reward
     that is the accuracy). Each prompt has its own draws, the same at every evaluation and whatever the number of processes."""
     uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed)).to(device)
@@ -407,7 +442,7 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, prompts, ans
             responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
                                                    stop_ids, tokenizer.pad_token_id, None if greedy else uniforms[idx])
             input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
-            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [answers[i] for i in idx], args)[0])
+            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [rows[i] for i in idx], args)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
     return result
 
@@ -419,8 +454,8 @@ def check_model_path(path, kind, what):
     except (OSError, ValueError) as e:
         raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder written by save_pretrained or a hub model name.")
     archs = config.architectures or []
-    if kind == "causal" and not any(a.endswith("ForCausalLM") for a in archs):
-        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a causal LM; pass a model saved as ...ForCausalLM.")
+    if kind == "causal" and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT-2's is GPT2LMHeadModel
+        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a causal LM; pass a model saved as ...ForCausalLM (or ...LMHeadModel).")
     if kind == "classifier" and not any(a.endswith("ForSequenceClassification") for a in archs):
         raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a sequence classifier; pass a model saved as ...ForSequenceClassification with num_labels=1.")
     if kind == "classifier" and getattr(config, "num_labels", 1) != 1:
@@ -439,9 +474,60 @@ def load_model(model_class, path, args, device, trained, **kwargs):
 
         model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
     model.requires_grad_(trained)
+    if args.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy does under torchrun
+        model.forward = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)(model.forward)
+    if args.gradient_checkpointing and trained:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if not blocks:
+            raise SystemExit(f"'{path}' does not checkpoint its blocks the way transformers 5 models do; run without --gradient_checkpointing.")
+        for block in blocks:  # transformers recomputes a block only in training mode: the blocks alone are flagged as
+            block.training = True  # training (recomputed with gradients on), their attention and MLP stay in eval mode (no dropout)
+    if args.lora_r and trained:  # the base frozen, the adapters (and a classifier's head) trained
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(args, "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS"))
     if dist.is_initialized() and (trained or not args.replicate_frozen):
         shard(model, args)
     return model
+
+
+def lora_config(args, task_type):
+    """The adapters of --lora_r. No adapter dropout: every model runs in eval mode, so that the log-probs recorded while
+    sampling are the training forward's (the ratio starts at exactly 1)."""
+    from peft import LoraConfig
+
+    targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, task_type=task_type)
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference model under LoRA: the policy itself with its adapters switched off for the call, so the base
+    weights are held once. The policy is kept outside the module's registry (it has no parameters of its own)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def forward(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+
+def load_reference(args, policy, device):
+    """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
+    return AdaptersOff(policy) if args.lora_r else load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+
+
+def lora_policy_to_save(weights, args):
+    """Under LoRA, the policy as saved, built on the CPU from the gathered weights (the run's copy may be sharded):
+    the base with the adapters merged in (W + lora_alpha / lora_r B A), or with --save_adapters_only the adapters."""
+    from peft import get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.model_dtype), use_kernels=False)
+    model = get_peft_model(base, lora_config(args, "CAUSAL_LM"))
+    model.load_state_dict(weights)
+    return model if args.save_adapters_only else model.merge_and_unload()
 
 
 def shard(model, args):
@@ -487,6 +573,27 @@ def gather_rows(tensors):
     return gathered
 
 
+def load_reward_models(args, tokenizer, device):
+    """The frozen reward models, each with its own tokenizer where that differs from the policy's (None where it is the
+    same vocabulary, or the model folder has none): (model, own tokenizer or None) pairs."""
+    pairs = []
+    for path in args.reward_model_path:
+        model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
+        try:
+            own = AutoTokenizer.from_pretrained(path, padding_side="left")
+        except (OSError, ValueError, TypeError):
+            own = None
+        # It reads the policy's tokens when no tokenizer was saved with it (transformers then raises, or builds one that
+        # knows only the special tokens) or when its vocabulary is the policy's.
+        if own is not None and (set(own.get_vocab()) <= set(own.all_special_tokens) or own.get_vocab() == tokenizer.get_vocab()):
+            own = None
+        if own is not None and own.pad_token_id is None:
+            own.pad_token = own.eos_token or own.unk_token
+        model.config.pad_token_id = (own or tokenizer).pad_token_id
+        pairs.append((model, own))
+    return pairs
+
+
 def read_rows(path, split, args):
     """The dataset as a list of dicts. A local .jsonl (or .json) file is read line by line, so that a bad
     line is named; anything else is a hub dataset."""
@@ -519,7 +626,7 @@ def read_rows(path, split, args):
 
 def load_prompts(path, split, args, tokenizer):
     """Tokenise every prompt of a dataset (--dataset or --eval_dataset) once, checking the rows and the prompt
-    lengths before any model loads. Returns the token lists and the answers (None without a rule reward)."""
+    lengths before any model loads. Returns the token lists and the rows (dicts) they come from."""
     rows = read_rows(path, split, args)
     if len(rows) == 0:
         raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
@@ -548,8 +655,7 @@ def load_prompts(path, split, args, tokenizer):
         prompts = [p[-args.max_prompt_length :] for p in prompts]
     if any(len(p) == 0 for p in prompts):
         raise SystemExit(f"dataset '{path}' has empty prompts; remove them (a response needs a prompt to follow).")
-    answers = [row[args.answer_field] for row in rows] if args.reward_fn else [None] * len(prompts)
-    return prompts, answers
+    return prompts, rows
 
 
 def chat_text(prompt, tokenizer, args):
@@ -611,10 +717,8 @@ def build_models(args, tokenizer, device):
     """Load the policy, its frozen reference and the reward models, in eval mode (no dropout). With
     --kl_coef 0 nothing reads the reference, so it is not loaded at all."""
     policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
-    ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False) if args.kl_coef > 0 else None
-    reward_models = [load_model(AutoModelForSequenceClassification, p, args, device, trained=False, num_labels=1) for p in args.reward_model_path]
-    for m in reward_models:
-        m.config.pad_token_id = tokenizer.pad_token_id
+    ref_policy = load_reference(args, policy, device) if args.kl_coef > 0 else None
+    reward_models = load_reward_models(args, tokenizer, device)
     return policy, ref_policy, reward_models
 
 
@@ -642,7 +746,10 @@ def check_common_args(args, responses_per_iteration):
     require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
                    "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"), "must be at least 1", lambda v: v >= 1)
     require(args, ("max_grad_norm", "temperature"), "must be positive", lambda v: v > 0)
-    require(args, ("ent_coef", "missing_eos_penalty"), "must be zero or more", lambda v: v >= 0)
+    require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
+    require(args, ("lora_alpha",), "must be positive", lambda v: v > 0)
+    if args.save_adapters_only and not args.lora_r:
+        raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
     if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
         raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} (prompts, each process sampling whole groups) and --minibatch_size "
                          f"{args.minibatch_size} must be multiples of the {args.world_size} processes.")
@@ -658,8 +765,8 @@ def check_common_args(args, responses_per_iteration):
         raise SystemExit(f"unknown --reward_fn '{args.reward_fn}'; choose one of {sorted(REWARD_FNS)}.")
     if args.model_dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
-    if args.mixed_precision and ("WORLD_SIZE" not in os.environ or args.model_dtype != "float32"):
-        raise SystemExit("--mixed_precision is FSDP2's: launch with torchrun (--nproc_per_node=1 for one GPU) and keep --model_dtype float32 (the master weights).")
+    if args.mixed_precision and args.model_dtype != "float32":
+        raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype (or make it float32).")
     check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
     for p in args.reward_model_path:
         check_model_path(p, "classifier", "--reward_model_path")
@@ -868,10 +975,10 @@ def main(args):
     if tokenizer.pad_token_id is None:
         warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
         tokenizer.pad_token = tokenizer.eos_token
-    prompts, answers = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
+    prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
     eval_path = held_out_dataset(args)
-    eval_prompts, eval_answers = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
+    eval_prompts, eval_rows = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
     reward_fn = REWARD_FNS.get(args.reward_fn)
     # <<< shared: set-up
     G = args.num_generations
@@ -880,7 +987,7 @@ def main(args):
     policy, ref_policy, reward_models = build_models(args, tokenizer, device)
     policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # fused: one pass over the weights per step
     models, optimizers = {"policy": policy}, {"policy": policy_optimizer}
-    all_models = [m for m in (policy, ref_policy, *reward_models) if m is not None]
+    all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
     # Everything besides the model and optimiser that a resumed run needs, in one place.
     state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
     if args.resume:
@@ -899,7 +1006,7 @@ def main(args):
     # A live bar with the time left, in a terminal only (a log file keeps one line per iteration); the lines go above it.
     progress = tqdm(total=args.num_iterations, initial=state["iteration"], unit="iter", disable=not is_main or not sys.stderr.isatty(), dynamic_ncols=True)
     if eval_prompts and not args.resume:  # logged as iteration 0: where the run starts from
-        m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_answers, args, rank, device)}
+        m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_rows, args, rank, device)}
         m["time/elapsed"] = time.time() - t_start
         if is_main:
             print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
@@ -934,7 +1041,7 @@ def main(args):
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
-                                                                       response_mask, [answers[i] for i in idx], args)  # (B,)
+                                                                       response_mask, [rows[i] for i in idx], args)  # (B,)
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         stop_and_save(received, args, models, optimizers, state_before, rank, device)  # a signal so far: drop this rollout
         # <<< shared: generate and score
@@ -1046,7 +1153,7 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log ---
         # >>> shared: evaluate, alarms, log and save
         if eval_prompts and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_answers, args, rank, device))
+            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_rows, args, rank, device))
         m["time/elapsed"] = state["elapsed"] = time.time() - t_start
         firing = failure_alarms(m, state, args)
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
@@ -1075,11 +1182,14 @@ def main(args):
 
     # --- last: save the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    weights = {k: v for k, v in weights.items() if k in dict(policy.named_parameters()) or k in dict(policy.named_buffers())}  # tied ones once
     progress.close()
     if is_main:
         metrics_file.close()
-        policy.save_pretrained(args.output_dir, state_dict=weights)
+        if args.lora_r:
+            lora_policy_to_save(weights, args).save_pretrained(args.output_dir)
+        else:
+            named = dict(policy.named_parameters()) | dict(policy.named_buffers())
+            policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})  # tied weights once
         tokenizer.save_pretrained(args.output_dir)
         print(f"saved the policy to {args.output_dir}")
         if args.track:

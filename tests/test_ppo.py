@@ -431,3 +431,37 @@ def test_held_out_dataset_defaults_to_the_test_split_beside_the_training_file(tm
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n")
     assert ppo.held_out_dataset(args_with(dataset=str(tmp_path / "prompts.jsonl"))) is None  # no train/test layout: no evaluation
     assert ppo.held_out_dataset(args_with(dataset="someone/reviews")) is None
+
+
+def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn():
+    """--shared_backbone: V is the head applied to the policy's last hidden states (computed here apart); the combined
+    loss gives gradients to the LM head, the trunk and the value head, and the value loss alone reaches the trunk."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_config()).eval()
+    critic = ppo.ValueHead(policy)
+    assert [n for n, _ in critic.named_parameters()] == ["score.weight"]  # the trunk is the policy's, not a copy
+    with torch.no_grad():
+        critic.score.weight.normal_()
+    input_ids, attention_mask = left_padded_prompts([5, 9, 7], 40, seed=5)
+    values = ppo.head_outputs(critic, input_ids, attention_mask)
+    with torch.no_grad():
+        hidden = policy.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)).last_hidden_state
+    torch.testing.assert_close(values, (hidden @ critic.score.weight.T).squeeze(-1), atol=1e-5, rtol=1e-5)
+    (values * attention_mask).sum().backward()  # the value loss alone
+    assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0 and policy.lm_head.weight.grad is None
+    logprobs = ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0)
+    (-logprobs.sum()).backward()
+    assert policy.lm_head.weight.grad.abs().sum() > 0 and critic.score.weight.grad.abs().sum() > 0
+
+
+def test_a_run_with_a_shared_backbone(tmp_path):
+    rows, _ = run_script("ppo.py", tmp_path / "shared", "--shared_backbone", "--total_episodes", "16", "--rollout_batch_size", "8",
+                         "--minibatch_size", "8", "--micro_batch_size", "4", "--num_epochs", "2", "--response_length", "8", "--eval_every", "0")
+    plain, _ = run_script("ppo.py", tmp_path / "plain", "--total_episodes", "16", "--rollout_batch_size", "8",
+                          "--minibatch_size", "8", "--micro_batch_size", "4", "--num_epochs", "2", "--response_length", "8", "--eval_every", "0")
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[0]["val/mean"] == 0.0 and rows[1]["val/loss"] > 0  # the head starts at V = 0 and is trained
+    assert "grad_norm/value" in rows[1] and rows[1]["grad_norm/value"] > 0
+    # one model fewer: the critic's weights and Adam states (as large as the policy's here) are not held
+    assert rows[0]["memory/model_states_mb"] < 0.75 * plain[0]["memory/model_states_mb"]
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "shared")).config.architectures == ["LlamaForCausalLM"]

@@ -283,7 +283,7 @@ def scored(fn, on_reward_error="stop", penalty=1.0):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
     return ppo.score_responses([], fn, tokenizer, torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1),
-                               responses, response_mask, ["5", "8", "8", "9"], args)
+                               responses, response_mask, [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])], args)
 
 
 def test_a_failing_reward_function_is_pinned_on_its_response():
@@ -359,11 +359,18 @@ def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
     env.pop("WANDB_MODE")
     start = time.time()
     result = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--output_dir", str(tmp_path), "--track",
-                             *cli("rloo.py", total_episodes=8)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                             *cli("rloo.py", total_episodes=8), "--log_samples_every", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb: 127.0.0.1 cannot be reached; logging offline" in result.stdout
-    assert any(n.startswith("offline-run-") for n in os.listdir(tmp_path / "wandb"))
     assert time.time() - start < 120
+    (run,) = [tmp_path / "wandb" / n for n in os.listdir(tmp_path / "wandb") if n.startswith("offline-run-")]
+    # what a later `wandb sync` uploads: the code, the sample tables, and (in the run's record) the config and the metrics
+    assert (run / "files" / "code" / "rloo.py").read_text() == open(os.path.join(ROOT, "rloo.py")).read()
+    tables = os.listdir(run / "files" / "media" / "table")
+    assert any(t.startswith("samples_") for t in tables)
+    assert json.load(open(run / "files" / "media" / "table" / tables[0]))["columns"] == ["prompt", "response", "score"]
+    record = next(run.glob("run-*.wandb")).read_bytes()
+    assert b"num_generations" in record and b"objective/kl" in record
 
 
 # ---------------------------------------------------------------- bad input, in every script

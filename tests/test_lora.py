@@ -1,0 +1,80 @@
+"""LoRA (shared code, tested through ppo.py's copy and runs of ppo.py and rloo.py): the reference is the policy with
+its adapters off and holds no weights of its own; training moves only the adapters (and the critic's head); the merged
+save equals the base plus (alpha / r) B A computed by hand from the adapters-only save, and loads with from_pretrained."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import ppo
+from helpers import ROOT, run_script
+
+POLICY = os.path.join(ROOT, "assets", "tiny-sft")
+LORA = ["--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
+
+
+def test_the_reference_is_the_base_with_the_adapters_off():
+    args = ppo.Args(lora_r=4, lora_alpha=8.0, lora_target_modules=("q_proj", "v_proj"))
+    policy = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=True)
+    reference = ppo.load_reference(args, policy, "cpu")
+    assert list(reference.parameters()) == []  # no second copy of the weights
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == {n for n, _ in policy.named_parameters() if "lora_" in n}
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:  # B starts at zero (adapters on = off); give it something to switch off
+                p.copy_(torch.randn_like(p) * 0.1)
+    base = AutoModelForCausalLM.from_pretrained(POLICY).eval()
+    input_ids, attention_mask = ppo.left_pad([[5, 9, 14, 30, 41], [12, 50, 60]], 1, "cpu")
+    with torch.no_grad():
+        off = ppo.response_logprobs(reference, input_ids, attention_mask, 2, 0.7)
+        on = ppo.response_logprobs(policy, input_ids, attention_mask, 2, 0.7)
+        expected = ppo.response_logprobs(base, input_ids, attention_mask, 2, 0.7)
+    torch.testing.assert_close(off, expected, atol=1e-6, rtol=1e-6)
+    assert (on - expected).abs().max() > 1e-3  # the adapters do change the policy when on
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory):
+    """ppo.py with LoRA on the policy and the critic, two iterations, saved merged and (same seed, same run) as adapters."""
+    out = {}
+    for kind, extra in (("merged", []), ("adapters", ["--save_adapters_only"])):
+        out[kind] = tmp_path_factory.mktemp(kind)
+        run_script("ppo.py", out[kind], *LORA, *extra, "--total_episodes", "32", "--rollout_batch_size", "16", "--minibatch_size", "8",
+                   "--micro_batch_size", "8", "--num_epochs", "1", "--response_length", "8", "--eval_every", "0")
+    return out
+
+
+def test_the_merged_save_is_the_base_plus_the_scaled_adapters(ppo_runs):
+    config = json.load(open(ppo_runs["adapters"] / "adapter_config.json"))
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8, ["q_proj", "v_proj"])
+    adapters = load_file(str(ppo_runs["adapters"] / "adapter_model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(POLICY).state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(str(ppo_runs["merged"])).state_dict()
+    assert merged.keys() == base.keys()
+    targeted = set()
+    for name in base:
+        stem = name.removesuffix(".weight")
+        a, b = (adapters.get(f"base_model.model.{stem}.lora_{x}.weight") for x in "AB")
+        if a is None:
+            assert torch.equal(merged[name], base[name]), name  # no adapter: the base weight, untouched
+            continue
+        targeted.add(stem.split(".")[-1])
+        assert b.abs().max() > 0  # trained away from its zero start
+        torch.testing.assert_close(merged[name], base[name] + (8 / 4) * b @ a, atol=1e-6, rtol=1e-5, msg=name)
+    assert targeted == {"q_proj", "v_proj"}
+
+
+def test_rloo_with_lora_starts_at_the_reference(tmp_path):
+    """The adapters start at zero, so at the first iteration the policy is its reference: the KL is 0 up to rounding."""
+    rows, _ = run_script("rloo.py", tmp_path, *LORA, "--total_episodes", "16", "--rollout_batch_size", "2", "--num_generations", "4",
+                         "--minibatch_size", "8", "--micro_batch_size", "8", "--response_length", "8", "--eval_every", "0")
+    assert abs(rows[0]["objective/kl"]) < 1e-5 and rows[0]["objective/kl"] != rows[1]["objective/kl"]
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path)).config.architectures == ["LlamaForCausalLM"]
+
+
+def test_save_adapters_only_needs_lora():
+    with pytest.raises(SystemExit, match="--save_adapters_only needs adapters: pass --lora_r"):
+        ppo.validate(ppo.Args(save_adapters_only=True))
