@@ -21,7 +21,7 @@ Where this file departs from the paper, and why:
 Commands:
   python grpo.py                                    # the embedded default: arithmetic with its checker, CPU, minutes
   python grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset <prompts.jsonl with answers> \\
-      --model_dtype bfloat16 --learning_rate 1e-6   # one GPU, a hub model
+      --mixed_precision --learning_rate 1e-6   # one GPU, a hub model
   torchrun --nproc_per_node=8 grpo.py --args ...    # one process per GPU, every model sharded (FSDP2)
 """
 

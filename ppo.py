@@ -22,7 +22,7 @@ Where this file departs from the papers, and why:
 Commands:
   python ppo.py                                     # the embedded default: tiny models, CPU, minutes
   python ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> \\
-      --dataset <prompts.jsonl> --model_dtype bfloat16      # one GPU, hub models
+      --dataset <prompts.jsonl> --mixed_precision     # one GPU, hub models
   torchrun --nproc_per_node=8 ppo.py --args ...     # one process per GPU, every model sharded (FSDP2)
 """
 

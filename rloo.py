@@ -18,7 +18,7 @@ Where this file departs from the paper, and why:
 Commands:
   python rloo.py                                    # the embedded default: reviews with the tiny reward model, CPU, minutes
   python rloo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> \\
-      --dataset <prompts.jsonl> --model_dtype bfloat16 --learning_rate 1e-6   # one GPU, hub models
+      --dataset <prompts.jsonl> --mixed_precision --learning_rate 1e-6   # one GPU, hub models
   torchrun --nproc_per_node=8 rloo.py --args ...    # one process per GPU, every model sharded (FSDP2)
 """
 
