@@ -24,6 +24,7 @@ Commands:
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -62,7 +63,7 @@ class Args:
     reward_model_path: tuple[str, ...] = ("assets/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: Optional[str] = None
-    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the answer)"""
+    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k' (1 if its last number is the answer's, after '####')"""
 
     # >>> shared: arguments
     seed: int = 1
@@ -79,6 +80,8 @@ class Args:
     """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
     dataset_split: str = "train"
     """split of a hub --dataset"""
+    dataset_config: Optional[str] = None
+    """configuration of a hub --dataset and --eval_dataset, for those that have several (openai/gsm8k: main)"""
     eval_dataset: Optional[str] = None
     """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
     eval_split: str = "test"
@@ -133,6 +136,8 @@ class Args:
     """LoRA rank: train low-rank adapters on the frozen base of each trained model (0: train every weight); the reference is then the policy with its adapters off"""
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in the training forward only (sampling, the reference and evaluation run without it)"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """the layers that get adapters (names such as q_proj v_proj, or all-linear: every linear layer but the output head)"""
     save_adapters_only: bool = False
@@ -298,7 +303,19 @@ def arithmetic_reward(responses, answers):
     return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
 
 
-REWARD_FNS = {"arithmetic": arithmetic_reward}
+def last_number(text):
+    """The last number written in a text ('1,234', '-5', '2.50'), as a float; None when there is none."""
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def gsm8k_reward(responses, answers):
+    """Rule reward for GSM8K: 1 when the response's last number equals the reference answer's final number, the one
+    after its '####' (a worked solution ending in '#### 72'), else 0."""
+    return [float(last_number(r) is not None and last_number(r) == last_number(str(a).split("####")[-1])) for r, a in zip(responses, answers)]
+
+
+REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 # <<< shared: scores
 
 
@@ -498,19 +515,29 @@ def load_model(model_class, path, args, device, trained, **kwargs):
     if args.lora_r and trained:  # the base frozen, the adapters (and a classifier's head) trained
         from peft import get_peft_model
 
-        model = get_peft_model(model, lora_config(args, "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS"))
+        model = get_peft_model(model, lora_config(args, "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS")).eval()
     if dist.is_initialized() and (trained or not args.replicate_frozen):
         shard(model, args)
     return model
 
 
 def lora_config(args, task_type):
-    """The adapters of --lora_r. No adapter dropout: every model runs in eval mode, so that the log-probs recorded while
-    sampling are the training forward's (the ratio starts at exactly 1)."""
+    """The adapters of --lora_r (peft)."""
     from peft import LoraConfig
 
     targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, target_modules=targets, task_type=task_type)
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets, task_type=task_type)
+
+
+def adapter_dropout(models, on):
+    """Every model runs in eval mode, so that the log-probs recorded while sampling are the training forward's (the ratio
+    on the first minibatch is exactly 1). --lora_dropout is the one exception: the adapters' dropout is switched on for
+    the update and off again after it, so that it never touches sampling, the reference or evaluation. The price: the
+    first minibatch's ratios are then 1 only on average."""
+    for model in models:
+        for name, module in model.named_modules():
+            if "lora_dropout" in name.split(".") and isinstance(module, torch.nn.Dropout):
+                module.train(on)
 
 
 class AdaptersOff(torch.nn.Module):
@@ -613,10 +640,10 @@ def read_rows(path, split, args):
         from datasets import load_dataset
 
         try:
-            return list(load_dataset(path, split=split))
+            return list(load_dataset(path, args.dataset_config, split=split))
         except (OSError, ValueError) as e:
-            raise SystemExit(f"hub dataset '{path}' (split '{split}') could not be loaded ({type(e).__name__}); check its name and the network "
-                             "(HF_HUB_OFFLINE=1 forbids downloads), or pass a local .jsonl file instead.")
+            raise SystemExit(f"hub dataset '{path}' (split '{split}', configuration {args.dataset_config}) could not be loaded ({type(e).__name__}: {e}); check its name, "
+                             "--dataset_config and the network (HF_HUB_OFFLINE=1 forbids downloads), or pass a local .jsonl file instead.")
     if not os.path.isfile(path):
         raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
     with open(path) as f:
@@ -760,6 +787,7 @@ def check_common_args(args, responses_per_iteration):
     require(args, ("max_grad_norm", "temperature"), "must be positive", lambda v: v > 0)
     require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
     require(args, ("lora_alpha",), "must be positive", lambda v: v > 0)
+    require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
     if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
@@ -1093,6 +1121,7 @@ def main(args):
         local_minibatch = args.minibatch_size // args.world_size
         sums, counts = defaultdict(float), defaultdict(float)
         ratio_max, first_ratio_dev = torch.zeros((), device=device), None
+        adapter_dropout(models.values(), True)  # --lora_dropout, in the training forward only
         for epoch in range(args.num_epochs):
             perm = torch.randperm(responses_per_iteration, generator=draws).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
@@ -1132,6 +1161,7 @@ def main(args):
                     policy_optimizer.step()
                 policy_optimizer.zero_grad(set_to_none=True)
                 counts["steps"] += 1
+        adapter_dropout(models.values(), False)
         t_optimize = time.time() - t0 - t_generate - t_score
 
         # --- 6. the dashboard: batch statistics over all processes ---

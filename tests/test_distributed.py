@@ -121,6 +121,20 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
     assert 0.45 <= ratio <= 0.55
 
 
+@pytest.mark.parametrize("script,flags", [("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]), ("ppo.py", ["--shared_backbone"]),
+                                          ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"])], ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora"])
+def test_two_processes_compute_what_one_computes_with_lora_and_a_shared_backbone(script, flags, held_out, tmp_path):
+    """The same agreement with adapters (peft's layers inside FSDP2's units, the reference as the policy with its
+    adapters off, the merged save gathered from the shards) and with the value head on the policy's sharded trunk."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    rows_one, _ = run_script(script, one, *common(script, held_out), *flags)
+    result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(two), *common(script, held_out), *flags],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_rows_agree(read_rows(two), rows_one)
+    assert_same_model(two, one)
+
+
 def test_a_run_goes_on_from_a_checkpoint_on_another_number_of_processes(runs, held_out, tmp_path):
     """The two-process run's checkpoint after iteration 2 (sharded in two), resumed on one process, ends as the
     one-process run does."""

@@ -36,6 +36,43 @@ def test_the_reference_is_the_base_with_the_adapters_off():
     assert (on - expected).abs().max() > 1e-3  # the adapters do change the policy when on
 
 
+def test_adapter_dropout_acts_in_the_update_only():
+    """--lora_dropout: the adapters' dropout is off as loaded (sampling, evaluation), on between adapter_dropout(.., True)
+    and (.., False) (the update), and nothing else in the model ever leaves eval mode."""
+    args = ppo.Args(lora_r=4, lora_alpha=8.0, lora_dropout=0.5)
+    policy = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=True)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    input_ids, attention_mask = ppo.left_pad([[5, 9, 14, 30, 41], [12, 50, 60]], 1, "cpu")
+
+    def logprobs():
+        with torch.no_grad():
+            return ppo.response_logprobs(policy, input_ids, attention_mask, 2, 1.0)
+
+    def training_modules():
+        return {n for n, m in policy.named_modules() if m.training}
+
+    off = logprobs()
+    assert training_modules() == set() and torch.equal(logprobs(), off)
+    ppo.adapter_dropout([policy], True)
+    assert training_modules() and all("lora_dropout" in n.split(".") for n in training_modules())
+    assert not torch.equal(logprobs(), logprobs())  # a new dropout mask at each forward
+    ppo.adapter_dropout([policy], False)
+    assert training_modules() == set() and torch.equal(logprobs(), off)
+
+
+def test_a_run_with_adapter_dropout_trains_with_it(tmp_path):
+    """In a run, the first minibatch's ratio equals 1 exactly without --lora_dropout and only on average with it, once
+    the adapters are away from their zero start (the second iteration)."""
+    args = [*LORA, "--total_episodes", "32", "--rollout_batch_size", "2", "--num_generations", "8", "--minibatch_size", "16",
+            "--micro_batch_size", "16", "--response_length", "8", "--eval_every", "0"]
+    without, _ = run_script("grpo.py", tmp_path / "without", *args)
+    with_dropout, _ = run_script("grpo.py", tmp_path / "with", *args, "--lora_dropout", "0.3")
+    assert without[-1]["policy/first_ratio_dev"] < 1e-5 < with_dropout[-1]["policy/first_ratio_dev"]
+
+
 @pytest.fixture(scope="module")
 def ppo_runs(tmp_path_factory):
     """ppo.py with LoRA on the policy and the critic, two iterations, saved merged and (same seed, same run) as adapters."""

@@ -198,6 +198,38 @@ def test_arithmetic_reward():
     assert ppo.arithmetic_reward([" 95", "94", "95 "], ["95", "95", "95"]) == [1.0, 0.0, 1.0]
 
 
+def test_gsm8k_reward_reads_the_last_number_against_the_answer_after_hashes():
+    # The first GSM8K training answer: intermediate numbers in the calculator annotations, the final one after '####'.
+    answer = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+    responses = [
+        "In May she sold 48 / 2 = 24, so 48 + 24 = 72 clips in all. The answer is 72.",  # last number 72: right
+        "She sold 72 clips in April and May, 24 of them in May.",  # 72 appears, but the last number is 24: wrong
+        "The answer is 72.0",  # the same number written as a decimal: right
+        "No idea.",  # no number: wrong
+    ]
+    assert ppo.gsm8k_reward(responses, [answer] * 4) == [1.0, 0.0, 1.0, 0.0]
+    assert ppo.gsm8k_reward(["It costs $1,234 in total.", "-5"], ["#### 1234", "#### -5"]) == [1.0, 1.0]  # thousands separator, sign
+    assert ppo.last_number("1,234.50 and then 7") == 7.0 and ppo.last_number("2.50 dollars") == 2.5
+
+
+def test_hub_dataset_configuration_is_passed_to_load_dataset(monkeypatch):
+    """Hub datasets with several configurations (openai/gsm8k: main, socratic) need --dataset_config; no hub here, so the
+    loader is replaced by one that, like the hub's, refuses to guess a missing configuration."""
+    import datasets
+
+    def load_dataset(path, name=None, split=None):
+        if name is None:
+            raise ValueError("Config name is missing.")
+        return [{"question": f"{path}/{name}/{split}", "answer": "#### 1"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    args = ppo.Args(dataset="openai/gsm8k")
+    with pytest.raises(SystemExit, match="--dataset_config"):
+        ppo.read_rows("openai/gsm8k", "train", args)
+    args.dataset_config = "main"
+    assert ppo.read_rows("openai/gsm8k", "train", args) == [{"question": "openai/gsm8k/main/train", "answer": "#### 1"}]
+
+
 # ---------------------------------------------------------------- generation and log-probs
 
 
