@@ -20,8 +20,9 @@ Where this file departs from the paper, and why:
 
 Commands:
   python grpo.py                                    # the embedded default: arithmetic with its checker, CPU, minutes
-  python grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset <prompts.jsonl with answers> \\
-      --mixed_precision --learning_rate 1e-6   # one GPU, a hub model
+  python grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset_config main \\
+      --prompt_field question --chat_template --reward_fn gsm8k --reward_model_path \\
+      --mixed_precision --learning_rate 1e-6   # one GPU; the README has a LoRA recipe with verl's settings
   torchrun --nproc_per_node=8 grpo.py --args ...    # one process per GPU, every model sharded (FSDP2)
 """
 

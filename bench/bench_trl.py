@@ -61,9 +61,9 @@ ALGORITHMS = {
 DIFFERENCES = [
     ("all", "precision, activation checkpointing", "fp32, none", "bf16 and gradient checkpointing on by default", "TRL: bf16=False, gradient_checkpointing=False"),
     ("all", "learning-rate schedule", "constant", "linear decay to 0 by default", "TRL: lr_scheduler_type=constant"),
-    ("all", "optimiser", "torch AdamW (foreach), eps 1e-5, weight decay 0.01 on every tensor; PPO: one per model",
+    ("all", "optimiser", "torch AdamW (fused), eps 1e-5, weight decay 0.01 on every tensor; PPO: one per model",
      "Trainer's default adamw_torch_fused (torch >= 2.8), eps 1e-8, weight decay 0 (when set: not on biases and norms); PPO: one over policy and critic",
-     "TRL: adam_epsilon=1e-5, weight_decay=0.01; the fused kernel and the decay's exemptions stay (no setting on our side)"),
+     "TRL: adam_epsilon=1e-5, weight_decay=0.01; the decay's exemptions stay (no setting on our side)"),
     ("all", "sampling", "own KV-cache loop, ancestral sampling from the full softmax at T", "model.generate, top_k=0, top_p=1, T (+1e-7 in PPO)", "T=1 on both sides; TRL: top_k=0, top_p=1"),
     ("ppo", "optimiser steps per rollout", "one per minibatch: 4 epochs x 4 = 16",
      "gradient_accumulation_steps (4, to make a 64-prompt rollout of 16 per device) also sets accelerate's counter: one step every 4 minibatches, 4 per rollout",
