@@ -239,6 +239,18 @@ def left_padded_prompts(lengths, vocab, seed):
     return ppo.left_pad(prompts, PAD, "cpu")
 
 
+def test_rollout_forwards_in_chunks_equal_one_forward_over_the_batch():
+    """The reference's log-probs and a classifier's per-position values, 2 rows at a time over 5 left-padded rows (the
+    last chunk short), equal one forward over all 5."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_config()).eval()
+    critic = LlamaForSequenceClassification(tiny_config(num_labels=1)).eval()
+    input_ids, attention_mask = left_padded_prompts([3, 7, 5, 2, 6], 40, seed=1)
+    with torch.no_grad():
+        for forward in (lambda i, m: ppo.response_logprobs(policy, i, m, 2, 0.7), lambda i, m: ppo.head_outputs(critic, i, m)):
+            torch.testing.assert_close(ppo.in_chunks(forward, 2, input_ids, attention_mask), forward(input_ids, attention_mask), atol=1e-6, rtol=1e-5)
+
+
 def test_sampled_logprobs_equal_teacher_forced():
     """logprobs_old recorded while sampling with a KV cache == one full forward over the finished sequences."""
     torch.manual_seed(0)
