@@ -785,7 +785,8 @@ class ValueHead(torch.nn.Module):
     a whole model: the critic's weights, gradients and Adam states (112 GB for a 7B critic in the seed's accounting).
     It risks the policy: the value loss's gradient flows into the trunk the policy samples from, scaled by --vf_coef,
     so a value loss that is large or spiking (early on, or when the score scale moves) pulls at the policy's features.
-    The trunk runs once for the log-probs and once more for the values here, which keeps the loop as it is."""
+    In training the head reads the trunk's output of the log-prob forward (kept by a hook on the LM head's input): one
+    trunk pass serves both heads. In the rollout, which runs no policy forward of its own, it runs the trunk itself."""
 
     _no_split_modules = []  # FSDP2: the head is one unit of its own (the policy's blocks are the policy's)
 
@@ -794,9 +795,12 @@ class ValueHead(torch.nn.Module):
         self.__dict__["policy"] = policy  # not registered: the trunk's weights belong to the policy and its optimiser
         self.score = torch.nn.Linear(policy.config.hidden_size, 1, bias=False, device=policy.device)
         torch.nn.init.zeros_(self.score.weight)  # V = 0 everywhere at the start
+        policy.get_output_embeddings().register_forward_hook(lambda module, inputs, output: setattr(self, "trunk_output", inputs[0]))
 
-    def forward(self, **inputs):
-        hidden = self.policy(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # (B, L, H)
+    def forward(self, hidden=None, **inputs):
+        """V at every position (B, L, 1), from the trunk's output of a forward already run, or from a trunk pass of its own."""
+        if hidden is None:
+            hidden = self.policy(**inputs, output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # (B, L, H)
         return self.score(hidden.to(self.score.weight.dtype))
 
 
@@ -1187,7 +1191,10 @@ def main(args):
                     b = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}  # (b, ...) each
                     mask = b["response_mask"].float()  # (b, T)
                     logprobs, entropy = response_logprobs(policy, b["input_ids"], b["attention_mask"], P, args.temperature, return_entropy=True)
-                    values = head_outputs(value_model, b["input_ids"], b["attention_mask"])[:, P - 1 : -1]  # (b, T)
+                    if args.shared_backbone:  # the trunk's output of the forward just above: no second pass
+                        values = value_model(hidden=value_model.trunk_output).squeeze(-1).float()[:, P - 1 : -1]  # (b, T)
+                    else:
+                        values = head_outputs(value_model, b["input_ids"], b["attention_mask"])[:, P - 1 : -1]  # (b, T)
                     pg_loss, ratio, pg_clipped = policy_loss(logprobs, b["logprobs_old"], b["advantages"], args.clip_range)
                     vf_loss, vf_clipped = value_loss(values, b["values_old"], b["returns"], args.value_clip_range)
                     # Token mean over the whole minibatch on all processes, so micro-batching changes nothing.

@@ -493,9 +493,17 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
     torch.testing.assert_close(values, (hidden @ critic.score.weight.T).squeeze(-1), atol=1e-5, rtol=1e-5)
     (values * attention_mask).sum().backward()  # the value loss alone
     assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0 and policy.lm_head.weight.grad is None
+    policy.zero_grad(), critic.zero_grad()
+    # In training the head reads the trunk's output of the log-prob forward: the same values, one trunk pass for both heads.
     logprobs = ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0)
-    (-logprobs.sum()).backward()
+    reused = critic(hidden=critic.trunk_output).squeeze(-1)
+    torch.testing.assert_close(reused, values, atol=1e-5, rtol=1e-5)
+    (-logprobs.sum() + reused.sum()).backward()
     assert policy.lm_head.weight.grad.abs().sum() > 0 and critic.score.weight.grad.abs().sum() > 0
+    trunk_grad = policy.model.layers[0].mlp.up_proj.weight.grad.clone()
+    policy.zero_grad()
+    ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0).sum().neg().backward()
+    assert not torch.allclose(trunk_grad, policy.model.layers[0].mlp.up_proj.weight.grad)  # the value loss reached the trunk
 
 
 def test_a_run_with_a_shared_backbone(tmp_path):
