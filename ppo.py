@@ -168,7 +168,7 @@ class Args:
     value_model_path: Optional[str] = None
     """where the critic is initialised from; default: the first reward model, else the policy"""
     shared_backbone: bool = False
-    """the critic is a scalar head on the policy's own trunk (one model fewer in memory) instead of a model of its own"""
+    """the critic is a scalar head on the policy's own trunk (one model fewer in memory, one trunk pass for both heads in training) instead of a model of its own"""
     value_learning_rate: float = 1e-4
     """critic learning rate"""
     value_clip_range: float = 0.2

@@ -57,6 +57,13 @@ def common(script, held_out):
     return [*ARGS[script], "--response_length", "8", "--eval_every", "1", "--eval_batch_size", "4", "--eval_dataset", held_out[task], "--save_every", "1"]
 
 
+def run_torchrun(script, out, *args):
+    """Like run_script, on two processes: returns the rows of the run's metrics.jsonl."""
+    result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(out), *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_rows(out)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, held_out):
     """Each script once on one process and once on two (computed once per script)."""
@@ -66,10 +73,7 @@ def runs(tmp_path_factory, held_out):
         if script not in done:
             one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
             rows_one, _ = run_script(script, one, *common(script, held_out))
-            result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(two), *common(script, held_out)],
-                                    cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-            assert result.returncode == 0, result.stderr[-3000:]
-            done[script] = (one, rows_one, two, read_rows(two))
+            done[script] = (one, rows_one, two, run_torchrun(script, two, *common(script, held_out)))
         return done[script]
 
     return get
@@ -128,10 +132,7 @@ def test_two_processes_compute_what_one_computes_with_lora_and_a_shared_backbone
     adapters off, the merged save gathered from the shards) and with the value head on the policy's sharded trunk."""
     one, two = tmp_path / "one", tmp_path / "two"
     rows_one, _ = run_script(script, one, *common(script, held_out), *flags)
-    result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(two), *common(script, held_out), *flags],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert_rows_agree(read_rows(two), rows_one)
+    assert_rows_agree(run_torchrun(script, two, *common(script, held_out), *flags), rows_one)
     assert_same_model(two, one)
 
 
