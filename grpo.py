@@ -18,6 +18,9 @@ Where this file departs from the paper, and why:
   to refill the batch).
 - logprobs_old are recorded while sampling, as in ppo.py, and dropout stays off.
 
+How to read it: Args, the math, the rollout's forward passes, then main, the loop as numbered steps. Below
+main's banner is plumbing (loading, data, FSDP2, checks, checkpoints, logging), the same in all three files.
+
 Commands:
   python grpo.py                                    # the embedded default: arithmetic with its checker, CPU, minutes
   python grpo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset_config main \\
@@ -44,10 +47,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -67,88 +72,8 @@ class Args:
     reward_model_path: tuple[str, ...] = ()
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: Optional[str] = "arithmetic"
-    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k' (1 if its last number is the answer's, after '####')"""
-
-    # >>> shared: arguments
-    seed: int = 1
-    """random seed (each process adds its rank)"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "rlhf-reference"
-    """wandb project name"""
-    model_name_or_path: str = "assets/tiny-sft"
-    """the starting policy (a causal LM); the frozen reference is a copy of it"""
-    model_dtype: str = "float32"
-    """dtype of the models' weights: float32, bfloat16 or float16"""
-    hub_kernels: bool = False
-    """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
-    dataset_split: str = "train"
-    """split of a hub --dataset"""
-    dataset_config: Optional[str] = None
-    """configuration of a hub --dataset and --eval_dataset, for those that have several (openai/gsm8k: main)"""
-    eval_dataset: Optional[str] = None
-    """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
-    eval_split: str = "test"
-    """split of a hub --eval_dataset"""
-    prompt_field: str = "prompt"
-    """the dataset column holding the prompts: text, or chat messages (a list of {"role", "content"})"""
-    chat_template: bool = False
-    """render each text prompt as one user message through the tokenizer's chat template (chat messages always are)"""
-    answer_field: str = "answer"
-    """the dataset column holding the reference answer (rule rewards only)"""
-    max_prompt_length: int = 64
-    """longest prompt in tokens"""
-    truncate_prompts: bool = False
-    """cut longer prompts to their last max_prompt_length tokens (with a warning) instead of stopping"""
-    response_length: int = 24
-    """most new tokens per response"""
-    temperature: float = 1.0
-    """sampling temperature; the log-probs of training and KL use the same temperature"""
-    missing_eos_penalty: float = 1.0
-    """subtracted from the score (after any normalisation) of a response that ends without EOS (or the chat template's end of turn)"""
-    max_grad_norm: float = 1.0
-    """gradient-norm clip, per trained model"""
-    ent_coef: float = 0.0
-    """weight of the entropy bonus (c2, 0 to 0.01)"""
-    eval_every: int = 10
-    """score the held-out prompts every this many iterations (and before the first and after the last); 0: never"""
-    eval_batch_size: int = 100
-    """held-out prompts per generation call"""
-    log_samples_every: int = 10
-    """print a few prompt / response / score rows every this many iterations"""
-    alarm_kl: float = 20.0
-    """warn when the KL to the reference passes this (KL explosion)"""
-    alarm_clipfrac: float = 0.3
-    """warn when the clip fraction passes this (steps too large)"""
-    alarm_collapse: float = 0.5
-    """warn when entropy or distinct-2 falls below this fraction of its first value (mode collapse)"""
-    save_every: int = 50
-    """write a checkpoint every this many iterations, and always at the end and on SIGTERM or Ctrl-C"""
-    keep_checkpoints: int = 2
-    """how many of the newest checkpoints to keep in --output_dir"""
-    resume: Optional[str] = None
-    """continue from a checkpoint folder, or 'auto': the newest one in --output_dir (none there: start afresh)"""
-    max_bad_steps: int = 3
-    """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
-    on_reward_error: Literal["stop", "penalty"] = "stop"
-    """a reward that raises or is not a finite number: stop, or score it --missing_eos_penalty below the batch minimum"""
-    replicate_frozen: bool = False
-    """under torchrun: a whole copy of the frozen models (reference, reward models) on every process, instead of sharding them"""
-    mixed_precision: bool = False
-    """bf16 compute over fp32 master weights and Adam states (FSDP2's mixed precision under torchrun, autocast in one process); frozen models in bf16"""
-    lora_r: int = 0
-    """LoRA rank: train low-rank adapters on the frozen base of each trained model (0: train every weight); the reference is then the policy with its adapters off"""
-    lora_alpha: float = 16.0
-    """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input in the training forward only (sampling, the reference and evaluation run without it)"""
-    lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """the layers that get adapters (names such as q_proj v_proj, or all-linear: every linear layer but the output head)"""
-    save_adapters_only: bool = False
-    """with LoRA: save only the adapters (peft's format) instead of the base with the adapters merged in"""
-    gradient_checkpointing: bool = False
-    """recompute each transformer block's activations in the backward pass instead of keeping them (less memory, about 1/3 more compute)"""
-    # <<< shared: arguments
+    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the
+    answer), 'gsm8k' (1 if its last number is the answer's, after '####')"""
 
     # GRPO: groups, the clipped surrogate, the KL term in the loss
     total_episodes: int = 256000
@@ -162,7 +87,7 @@ class Args:
     micro_batch_size: int = 64
     """responses per forward/backward in one process (gradient accumulation makes up the minibatch)"""
     num_epochs: int = 1
-    """passes over each rollout; with several minibatches per pass the clip has something to do"""
+    """passes over each rollout (typically 1 to 4; more and the data goes stale)"""
     learning_rate: float = 2e-4
     """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
     clip_range_low: float = 0.2
@@ -172,13 +97,116 @@ class Args:
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide r - mean(group) by the group's std (GRPO), the whole batch's std, or nothing (Dr. GRPO)"""
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
-    """how token losses become the minibatch loss: DAPO's token mean, GRPO's mean of sequence means, Dr. GRPO's constant divisor"""
+    """how token losses become the minibatch loss: DAPO's token mean, GRPO's mean of sequence means, Dr. GRPO's
+    constant divisor"""
     kl_coef: float = 0.04
     """beta of the KL term in the loss; 0 skips the reference model entirely"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """the per-token KL estimate in the loss (see kl_penalty)"""
     drop_zero_signal_groups: bool = False
     """leave groups whose responses all scored the same out of the loss"""
+
+    # >>> shared: arguments
+    # the models and the data
+    model_name_or_path: str = "assets/tiny-sft"
+    """the starting policy (a causal LM); the frozen reference is a copy of it"""
+    model_dtype: str = "float32"
+    """dtype of the models' weights: float32, bfloat16 or float16"""
+    hub_kernels: bool = False
+    """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
+    dataset_split: str = "train"
+    """split of a hub --dataset"""
+    dataset_config: Optional[str] = None
+    """configuration of a hub --dataset and --eval_dataset, for those that have several (openai/gsm8k: main)"""
+    prompt_field: str = "prompt"
+    """the dataset column holding the prompts: text, or chat messages (a list of {"role", "content"})"""
+    chat_template: bool = False
+    """render each text prompt as one user message through the tokenizer's chat template (chat messages always are)"""
+    answer_field: str = "answer"
+    """the dataset column holding the reference answer (rule rewards only)"""
+    max_prompt_length: int = 64
+    """longest prompt in tokens"""
+    truncate_prompts: bool = False
+    """cut longer prompts to their last max_prompt_length tokens (with a warning) instead of stopping"""
+    seed: int = 1
+    """random seed (each process adds its rank)"""
+
+    # generation and the shared loss terms
+    response_length: int = 24
+    """most new tokens per response"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs of training and KL use the same temperature"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score (after any normalisation) of a response that ends without EOS (or the chat
+    template's end of turn)"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip, per trained model"""
+    ent_coef: float = 0.0
+    """weight of the entropy bonus (c2, 0 to 0.01)"""
+
+    # evaluation and logging
+    eval_dataset: Optional[str] = None
+    """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
+    eval_split: str = "test"
+    """split of a hub --eval_dataset"""
+    eval_every: int = 10
+    """score the held-out prompts every this many iterations (and before the first and after the last); 0: never"""
+    eval_batch_size: int = 100
+    """held-out prompts per generation call"""
+    log_samples_every: int = 10
+    """print a few prompt / response / score rows every this many iterations"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rlhf-reference"
+    """wandb project name"""
+
+    # alarms
+    alarm_kl: float = 20.0
+    """warn when the KL to the reference passes this (KL explosion)"""
+    alarm_clipfrac: float = 0.3
+    """warn when the clip fraction passes this (steps too large)"""
+    alarm_collapse: float = 0.5
+    """warn when entropy or distinct-2 falls below this fraction of its first value (mode collapse)"""
+
+    # checkpoints and failures
+    save_every: int = 50
+    """write a checkpoint every this many iterations, and always at the end and on SIGTERM or Ctrl-C"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep in --output_dir"""
+    resume: Optional[str] = None
+    """continue from a checkpoint folder, or 'auto': the newest one in --output_dir (none there: start afresh)"""
+    max_bad_steps: int = 3
+    """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
+    on_reward_error: Literal["stop", "penalty"] = "stop"
+    """a reward that raises or is not a finite number: stop, or score it --missing_eos_penalty below the batch
+    minimum"""
+
+    # precision and memory
+    mixed_precision: bool = False
+    """bf16 compute over fp32 master weights and Adam states (FSDP2's mixed precision under torchrun, autocast in
+    one process); frozen models in bf16"""
+    gradient_checkpointing: bool = False
+    """recompute each transformer block's activations in the backward pass instead of keeping them (less memory,
+    about 1/3 more compute)"""
+    replicate_frozen: bool = False
+    """under torchrun: a whole copy of the frozen models (reference, reward models) on every process, instead of
+    sharding them"""
+
+    # LoRA
+    lora_r: int = 0
+    """LoRA rank: train low-rank adapters on the frozen base of each trained model (0: train every weight); the
+    reference is then the policy with its adapters off"""
+    lora_alpha: float = 16.0
+    """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in the training forward only (sampling, the reference and evaluation run
+    without it)"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """the layers that get adapters (names such as q_proj v_proj, or all-linear: every linear layer but the output
+    head)"""
+    save_adapters_only: bool = False
+    """with LoRA: save only the adapters (peft's format) instead of the base with the adapters merged in"""
+    # <<< shared: arguments
 
     # filled in at runtime
     world_size: int = 1
@@ -194,7 +222,8 @@ class Args:
 
 # >>> shared: batch statistics
 def masked_sum_count(x, mask):
-    """Sum of x over mask and the number of valid entries, summed over all processes when distributed."""
+    """Sum of x over mask and the number of valid entries, summed over all processes when distributed.
+    x and mask of one shape; returns two 0-d float64 tensors."""
     total = torch.stack([(x * mask).sum(), mask.sum()]).double()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
@@ -202,26 +231,40 @@ def masked_sum_count(x, mask):
 
 
 def masked_mean(x, mask):
-    """Mean of x over valid entries of the whole (global) batch."""
+    """Mean of x over valid entries of the whole (global) batch: a 0-d tensor of x's dtype."""
     s, n = masked_sum_count(x, mask)
     return (s / n.clamp(min=1)).to(x.dtype)
 
 
 def global_mean(x):
-    """Mean of a per-sequence statistic over the whole (global) batch, as a float."""
+    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
     x = x.float()
     return masked_mean(x, torch.ones_like(x)).item()
 
 
 def masked_var(x, mask):
-    """Biased variance of x over valid entries of the whole (global) batch."""
+    """Biased variance of x over valid entries of the whole (global) batch: a 0-d tensor."""
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
 # <<< shared: batch statistics
 
 
+# >>> shared: clipped surrogate
+def policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
+    """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7):
+    -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) with rho = exp(logp - logp_old), the seed's two-term minimum.
+    The min switches the gradient off once a token has moved eps in the direction its advantage wants, never when
+    it moved the other way. PPO's eps_low = eps_high; DAPO's clip-higher raises eps_high. Inputs (B, T)
+    (advantages may be (B, 1)); returns the loss (B, T), the ratio (B, T) and whether each token was clipped."""
+    ratio = torch.exp(logprobs - logprobs_old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
+# <<< shared: clipped surrogate
+
+
 def group_advantages(scores, group_size, scale_rewards, eps=1e-8):
-    """GRPO's advantage of each response (Shao et al. 2024, eq. 3 with outcome rewards):
+    """GRPO's advantage of each response (Shao et al. 2024, eq. 3 with outcome rewards; the seed's A_i):
     A_i = (r_i - mean(r_group)) / std(r_group), the population std; 'batch' divides by the std of all scores in
     the (global) batch instead, 'none' by nothing (Dr. GRPO: the std overweights prompts that are nearly solved
     or nearly hopeless). scores (B,) hold consecutive groups of group_size. Returns (B,)."""
@@ -236,14 +279,15 @@ def group_advantages(scores, group_size, scale_rewards, eps=1e-8):
 
 # >>> shared: zero signal, KL estimators, clipped surrogate, loss weights
 def zero_signal_groups(scores, group_size):
-    """Groups whose responses all scored the same (B / G,) bool: every advantage in them is 0, so they teach nothing."""
+    """Groups whose responses all scored the same (B / G,) bool: every advantage in them is 0, so they teach
+    nothing. scores (B,) hold consecutive groups of group_size."""
     grouped = scores.view(-1, group_size)  # (groups, G)
     return (grouped == grouped[:, :1]).all(1)
 
 
 def kl_penalty(logprobs, logprobs_ref, estimator):
-    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
-    divergence"), with log r = log pi_ref - log pi:"""
+    """Per-token estimate (B, T) of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
+    divergence"), with log r = log pi_ref - log pi; logprobs and logprobs_ref (B, T):"""
     log_r = logprobs_ref - logprobs
     if estimator == "k1":
         return -log_r  # unbiased, but high variance and negative on some tokens
@@ -252,91 +296,50 @@ def kl_penalty(logprobs, logprobs_ref, estimator):
     return torch.expm1(log_r) - log_r  # k3 = (r - 1) - log r: unbiased, never negative, low variance (GRPO, eq. 4)
 
 
-def policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
-    """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7), with a lower
-    and an upper epsilon (DAPO's clip-higher): -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A), rho = exp(logp - logp_old).
-    Returns the loss (B, T), the ratio and whether each token was clipped."""
-    ratio = torch.exp(logprobs - logprobs_old)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
-    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
-
-
 def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
-    """Per-token weights w (B, T) such that the minibatch loss is sum w * loss. num_sequences and num_tokens
-    count the whole (global) minibatch, so micro-batches and processes add up to the same loss."""
+    """Per-token weights w (B, T) such that the minibatch loss is sum w * loss; mask (B, T). num_sequences and
+    num_tokens count the whole (global) minibatch, so micro-batches and processes add up to the same loss."""
     if aggregation == "token_mean":  # every token the same weight: a long response counts more than a short one (DAPO)
         return mask / max(num_tokens, 1)
-    if aggregation == "sequence_mean":  # every response the same weight: each token of a long response counts less (GRPO)
+    if aggregation == "sequence_mean":  # every response the same weight: a long one's tokens count less (GRPO)
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(num_sequences, 1))
     return mask / (max(num_sequences, 1) * response_length)  # a constant divisor: no length bias (Dr. GRPO)
 # <<< shared: zero signal, KL estimators, clipped surrogate, loss weights
 
 
-# >>> shared: scores
-def combine_scores(rm_scores, rule_scores=None):
-    """The score of each response: the minimum over reward models (a response must fool all of them to be
-    over-rewarded: the ensemble fix for reward exploitation), plus the rule reward when there is one."""
-    score = torch.stack(rm_scores).min(0).values if rm_scores else torch.zeros_like(rule_scores)
-    return score + rule_scores if rule_scores is not None else score
-
-
-def distinct_n(sequences, n):
-    """Distinct-n: unique n-grams over all n-grams in a batch of token lists (1.0 = no repetition)."""
-    ngrams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
-    return len(set(ngrams)) / max(len(ngrams), 1)
-
-
-def arithmetic_reward(responses, answers):
-    """Rule reward: 1 when the response, stripped, is exactly the answer, else 0."""
-    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
-
-
-def last_number(text):
-    """The last number written in a text ('1,234', '-5', '2.50'), as a float; None when there is none."""
-    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return float(numbers[-1].replace(",", "")) if numbers else None
-
-
-def gsm8k_reward(responses, answers):
-    """Rule reward for GSM8K: 1 when the response's last number equals the reference answer's final number, the one
-    after its '####' (a worked solution ending in '#### 72'), else 0."""
-    return [float(last_number(r) is not None and last_number(r) == last_number(str(a).split("####")[-1])) for r, a in zip(responses, answers)]
-
-
-REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
-# <<< shared: scores
-
-
 # ----------------------------------------------------------------------------------------------------
-# Models: forward passes and the one place that builds them.
+# The rollout's forward passes: log-probs, values (and scores), and sampling with a KV cache.
 # ----------------------------------------------------------------------------------------------------
 
 
-# >>> shared: models and data
+# >>> shared: forward passes
 def position_ids_from(attention_mask):
-    """Left padding shifts every prompt; positions count real tokens only."""
+    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
-    """Teacher-forced log-probs (and entropies) of the response tokens input_ids[:, prompt_length:]."""
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)).logits
+    """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:]."""
+    positions = position_ids_from(attention_mask)
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
     logits = logits[:, prompt_length - 1 : -1]  # (B, T, V): position t predicts token t+1
     return token_logprobs(logits, input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
 
 
 def in_chunks(forward, size, input_ids, attention_mask):
-    """A no-grad forward over the rollout (the reference's log-probs, the critic's values, the reward models' scores)
-    size rows at a time, concatenated: the full logits of the whole rollout at once would be B x L x V (117 GB at 320
-    responses of 1,200 tokens over a 152k vocabulary in bf16), those of --micro_batch_size rows are what training holds."""
-    return torch.cat([forward(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)])
+    """A no-grad forward over the rollout (the reference's log-probs, the critic's values, the reward models'
+    scores) size rows at a time, concatenated: the full logits of the whole rollout at once would be B x L x V
+    (117 GB at 320 responses of 1,200 tokens over a 152k vocabulary in bf16), those of --micro_batch_size rows
+    are what training holds."""
+    chunks = [forward(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
+    return torch.cat(chunks)
 
 
 def head_outputs(model, input_ids, attention_mask):
-    """Scalar head of a sequence classifier at every position (B, L): per-token values for the critic;
-    the reward model's score is the entry at the last real token (the EOS). The classifier computes its head at
-    every position and returns only one; a hook keeps them all, and the call still goes through the model (FSDP needs that)."""
+    """Scalar head of a sequence classifier at every position (B, L): per-token values for the critic; the reward
+    model's score is the entry at the last real token (the EOS). The classifier computes its head at every
+    position and returns only one; a hook keeps them all, and the call still goes through the model (FSDP needs
+    that)."""
     kept = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: kept.append(output))
     model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
@@ -346,26 +349,33 @@ def head_outputs(model, input_ids, attention_mask):
 
 @torch.no_grad()
 def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms=None):
-    """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits
-    it was sampled from (logprobs_old). Left-padded prompts; a sequence stops at its first stop token (stop_ids: EOS
-    and any end-of-turn token), after which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and response_mask (B, T),
-    where the mask covers every token up to and including the EOS. Token t of row b is the first whose cumulative
-    probability passes uniforms[b, t], drawn beforehand for each row (B, max_new_tokens), so that a response does not
-    depend on the batch or the process it is sampled in; without uniforms, the argmax (greedy, for evaluation)."""
+    """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits it was
+    sampled from (logprobs_old). Left-padded prompts (B, P); a sequence stops at its first stop token (stop_ids:
+    EOS and any end-of-turn token), after which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and
+    response_mask (B, T), the mask covering every token up to and including the EOS. Token t of row b is the
+    first whose cumulative probability passes uniforms[b, t], drawn beforehand for each row (B, max_new_tokens),
+    so that a response does not depend on the batch or the process it is sampled in; without uniforms, the
+    argmax (greedy, for evaluation)."""
     B = prompt_ids.shape[0]
     hold_full_parameters(policy, True)
     cache = DynamicCache()
     attention_mask = prompt_mask
     positions = position_ids_from(prompt_mask)  # (B, P)
-    # logits_to_keep=1: only the last position's logits; the prompt's would cost B x P x V (2.5 GB at 256 x 32 x 152k, bf16)
-    logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    # logits_to_keep=1: only the last position's logits; the prompt's would cost B x P x V (2.5 GB at 256 x 32 x
+    # 152k, bf16)
+    logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                    use_cache=True, logits_to_keep=1).logits[:, -1]
     next_position = positions[:, -1:] + 1  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
         probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
         cdf = probs.cumsum(-1)  # scaled by its last entry below, so that rounding cannot leave it short of the draw
-        token = probs.argmax(-1) if uniforms is None else torch.searchsorted(cdf, uniforms[:, step, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+        if uniforms is None:
+            token = probs.argmax(-1)  # (B,)
+        else:  # (B,) the first token whose cumulative probability passes the row's draw
+            draw = uniforms[:, step, None] * cdf[:, -1:]
+            token = torch.searchsorted(cdf, draw, right=True)[:, 0].clamp(max=probs.shape[1] - 1)
         logprob = token_logprobs(logits, token, temperature)  # (B,), the same logits, the same temperature
         masks.append(~done)
         tokens.append(torch.where(done, pad_token_id, token))
@@ -374,117 +384,232 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
         if done.all() or step == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache, use_cache=True)
+        out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position,
+                     cache=cache, use_cache=True)
         logits, next_position = out.logits[:, -1], next_position + 1
     hold_full_parameters(policy, False)
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+# <<< shared: forward passes
 
 
-def call_reward_fn(reward_fn, texts, answers):
-    """A rule reward is user code. When the call on the batch fails (an exception, a wrong number of scores),
-    it is called again one response at a time, so that each failure is pinned on its response. Returns the
-    scores (nan where there is none) and what went wrong first."""
-    try:
-        scores = [float(x) for x in reward_fn(texts, answers)]
-        if len(scores) == len(texts):
-            return scores, "not a finite number"
-    except Exception:
-        pass
-    scores, errors = [], []
-    for text, answer in zip(texts, answers):
-        try:
-            (score,) = reward_fn([text], [answer])  # exactly one score, else a ValueError names the count
-            scores.append(float(score))
-        except Exception as e:
-            scores.append(float("nan"))
-            errors.append(f"an error ({type(e).__name__}: {e})")
-    if not errors:
-        raise SystemExit("the reward function fails on the whole batch but on no single response; it must return one score per response.")
-    return scores, errors[0]
+def build_models(args, tokenizer, device):
+    """Load the policy, its frozen reference and the reward models, in eval mode (no dropout). With
+    --kl_coef 0 nothing reads the reference, so it is not loaded at all."""
+    policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
+    ref_policy = load_reference(args, policy, device) if args.kl_coef > 0 else None
+    reward_models = load_reward_models(args, tokenizer, device)
+    return policy, ref_policy, reward_models
 
 
-@torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows, args):
-    """The raw score of each full response (B,): a reward model that shares the policy's tokenizer reads the token
-    ids and scores at the last real token (the EOS); one with a tokenizer of its own reads the prompt and the decoded
-    response re-tokenised for it; the rule reads the decoded text and the row's answer. Also returns the rule's own
-    scores (or None), the texts, and how many responses had no valid score (they stop the run, or with
-    --on_reward_error penalty score below the rest of the batch). rows: each response's dataset row."""
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) index of the final response token
-    rm_scores = []  # K x (B,)
-    for rm, own_tokenizer in reward_models:
-        if own_tokenizer is None:
-            rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m), args.micro_batch_size, input_ids, attention_mask)[torch.arange(len(responses)), last])
-        else:  # left-padded: the last position is every row's last real token
-            ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts, input_ids.device)
-            rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
-    answers = [row.get(args.answer_field) for row in rows]
-    rule_scores, why = call_reward_fn(reward_fn, texts, answers) if reward_fn else (None, "not a finite number")
-    rule_scores = torch.tensor(rule_scores, device=responses.device) if reward_fn else None
-    score = combine_scores(rm_scores, rule_scores)
-    bad = ~torch.isfinite(score)
-    if bad.any():
-        i = bad.nonzero()[0, 0].item()
-        prompt = tokenizer.decode(input_ids[i, : input_ids.shape[1] - responses.shape[1]], skip_special_tokens=True)
-        if args.on_reward_error == "stop" or bad.all():
-            raise SystemExit(f"the reward of the response {texts[i]!r} to the prompt {prompt!r} is {why}; fix the reward, or pass "
-                             "--on_reward_error penalty to score such responses below the rest of the batch.")
-        score = torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score)
-    return score, rule_scores.nan_to_num(0.0) if reward_fn else None, texts, int(bad.sum())
+def validate(args):
+    """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
+    require(args, ("rollout_batch_size",), "must be at least 1", lambda v: v >= 1)
+    require(args, ("num_generations",), "must be at least 2 (the baseline is the other responses to the same prompt)",
+            lambda v: v >= 2)
+    require(args, ("learning_rate", "clip_range_low", "clip_range_high"), "must be positive", lambda v: v > 0)
+    require(args, ("kl_coef",), "must be zero or more", lambda v: v >= 0)
+    check_common_args(args, responses_per_iteration=args.rollout_batch_size * args.num_generations)
 
 
-def reward_model_inputs(own_tokenizer, prompts, texts, device):
-    """A reward model's input when it has a tokenizer of its own: each prompt (text or chat messages, as the dataset
-    gives it) with its decoded response, through the reward model's chat template where it has one (a user turn and an
-    assistant turn), else the prompt text followed by the response with the tokenizer's own special tokens; left-padded."""
-    sequences = []
-    for prompt, text in zip(prompts, texts):
-        if own_tokenizer.chat_template is not None:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            rendered = own_tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": text}], tokenize=False)
-            sequences.append(own_tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        else:
-            prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
-            sequences.append(own_tokenizer(prompt + text)["input_ids"])
-    return left_pad(sequences, own_tokenizer.pad_token_id, device)
+# What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
+PRINTED = [("score", "objective/score", "+.3f"), ("acc", "objective/accuracy", ".3f"), ("kl", "objective/kl", ".2f"),
+           ("len", "response/length", ".1f"), ("eos", "response/eos_rate", ".2f"), ("d2", "response/distinct2", ".2f"),
+           ("ent", "policy/entropy", ".2f"), ("clip", "policy/clipfrac", ".3f"),
+           ("zero-signal", "adv/zero_signal_fraction", ".2f"), ("held-out", "eval/score", "+.3f")]
 
 
-@torch.no_grad()
-def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, prompts, rows, args, rank, device):
-    """Mean raw score on held-out prompts, sampled at the training temperature and greedy (with a rule reward
-    that is the accuracy). Each prompt has its own draws, the same at every evaluation and whatever the number of processes."""
-    uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed)).to(device)
-    share = -(-len(prompts) // args.world_size)  # each process a contiguous share; the last one is topped up with uncounted
-    mine = range(rank * share, (rank + 1) * share)  # copies of the last prompt, so that all run the same batches (FSDP needs that)
-    counted = torch.tensor([i < len(prompts) for i in mine], device=device).float()
-    result = {}
-    for name, greedy in (("eval/score", False), ("eval/score_greedy", True)):
-        scores = []
-        for start in range(0, share, args.eval_batch_size):
-            idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.eval_batch_size]]
-            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
-            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
-                                                   stop_ids, tokenizer.pad_token_id, None if greedy else uniforms[idx])
-            input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
-            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, [rows[i] for i in idx], args)[0])
-        result[name] = masked_mean(torch.cat(scores), counted).item()
-    return result
+def main(args):
+    # --- 0. set-up: one process per device under torchrun (a plain run needs none); the data checked first ---
+    # >>> shared: set-up
+    rank, device = start_processes(args)
+    validate(args)
+    torch.manual_seed(args.seed)  # the same on every process, so that a new value head starts the same everywhere
+    tokenizer, prompts, rows, held_out, stop_ids, reward_fn = load_task(args, device)
+    # <<< shared: set-up
+    G = args.num_generations
+    responses_per_iteration = args.rollout_batch_size * G
+    args.num_iterations = args.total_episodes // responses_per_iteration
+    policy, ref_policy, reward_models = build_models(args, tokenizer, device)
+    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
+    models, optimizers = {"policy": policy}, {"policy": policy_optimizer}
+    all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
+    # Everything besides the model and optimiser that a resumed run needs, in one place.
+    state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, alarms_on=[], bad_steps=0, skipped_steps=0,
+                 elapsed=0.0)
+    if args.resume:
+        state = load_checkpoint(args.resume, models, optimizers)
+    # >>> shared: outputs and the starting policy's held-out score
+    log, received = Log(args, state, rank, tokenizer), catch_stop_signals()
+    if held_out[0] and not args.resume:  # logged as iteration 0: where the run starts from
+        log.before_training(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device))
+    # <<< shared: outputs and the starting policy's held-out score
+
+    for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
+        t0, state_before = time.time(), dict(state)  # what a stop before the update saves
+        # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+        idx, width = next_prompts(prompts, state, args, rank)  # width: the longest prompt on any process
+        idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
+        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)  # (B, P)
+        P = prompt_ids.shape[1]  # B = local prompts x G
+
+        # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
+        # >>> shared: generate and score
+        draws = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
+        uniforms = row_uniforms(draws, len(idx), args, rank).to(device)  # (B, response_length)
+        responses, logprobs_old, response_mask = pad_responses(*generate(
+            policy, prompt_ids, prompt_mask, args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id,
+            uniforms), tokenizer.pad_token_id)  # (B, T) each
+        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, response_mask], 1)
+        t_generate = time.time() - t0
+        raw_score, rule_scores, texts, reward_errors = score_responses(
+            reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask,
+            [rows[i] for i in idx], args)  # (B,)
+        has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
+        stop_and_save(received, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
+        # <<< shared: generate and score
+
+        with torch.no_grad():
+            rewards = torch.where(has_eos, raw_score, raw_score - args.missing_eos_penalty)  # (B,)
+
+            # --- 4. group-relative advantages, one per response; the reference's log-probs for the KL term ---
+            advantages = group_advantages(rewards, G, args.scale_rewards)  # (B,)
+            group_std = rewards.view(-1, G).std(1, unbiased=False)  # (B / G,)
+            zero_signal = zero_signal_groups(rewards, G)  # (B / G,)
+            keep = ~zero_signal.repeat_interleave(G)[:, None] if args.drop_zero_signal_groups else 1  # (B, 1)
+            train_mask = response_mask * keep  # (B, T)
+            if ref_policy is not None:
+                logprobs_ref = in_chunks(lambda i, m: response_logprobs(ref_policy, i, m, P, args.temperature),
+                                         args.micro_batch_size, input_ids, attention_mask)
+                logprobs_ref = logprobs_ref * response_mask  # (B, T)
+        t_score = time.time() - t0 - t_generate
+
+        # --- 5. optimise: epochs of shuffled minibatches, accumulated over micro-batches ---
+        # Each process takes its share of every global minibatch of the gathered rollout: one run, any process count.
+        rollout = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
+                       train_mask=train_mask, logprobs_old=logprobs_old, advantages=advantages)
+        if ref_policy is not None:
+            rollout["logprobs_ref"] = logprobs_ref
+        rollout = gather_rows(rollout)
+        local_minibatch = args.minibatch_size // args.world_size
+        stats = defaultdict(float)  # sums over tokens of what the dashboard shows
+        adapter_dropout(models.values(), True)  # --lora_dropout, in the training forward only
+        for epoch in range(args.num_epochs):
+            perm = torch.randperm(responses_per_iteration, generator=draws).to(device)
+            for mb_start in range(0, responses_per_iteration, args.minibatch_size):
+                mb_idx = perm[mb_start : mb_start + args.minibatch_size]
+                mb_mask = rollout["train_mask"][mb_idx]
+                mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
+                mb_sequences = mb_mask.amax(1).sum().item()  # responses it trains on
+                mine = mb_idx[rank * local_minibatch : (rank + 1) * local_minibatch]
+                if mb_tokens == 0:  # every response left out (zero signal): no step, not even Adam's momentum
+                    continue
+                for micro_start in range(0, local_minibatch, args.micro_batch_size):
+                    b = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}
+                    mask = b["train_mask"].float()  # (b, T)
+                    logprobs, entropy = response_logprobs(policy, b["input_ids"], b["attention_mask"], P,
+                                                          args.temperature, return_entropy=True)  # (b, T) each
+                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, b["logprobs_old"], b["advantages"][:, None],
+                                                             args.clip_range_low, args.clip_range_high)
+                    per_token = pg_loss - args.ent_coef * entropy  # (b, T)
+                    terms = {"policy/loss": pg_loss, "policy/entropy": entropy, "policy/clipfrac": pg_clipped}
+                    if ref_policy is not None:
+                        terms["policy/kl_term"] = kl_penalty(logprobs, b["logprobs_ref"], args.kl_estimator)
+                        per_token = per_token + args.kl_coef * terms["policy/kl_term"]
+                    weights = loss_weights(mask, args.loss_aggregation, args.response_length, mb_sequences, mb_tokens)
+                    loss = (per_token * weights).sum()
+                    loss.backward()  # under FSDP2, also sums the gradients over the processes
+                    add_token_stats(stats, mask, ratio, logprobs, b["logprobs_old"], terms)
+                optimizer_step(models, optimizers, stats, state, iteration, args)  # clip, check, step
+        adapter_dropout(models.values(), False)
+        t_optimize = time.time() - t0 - t_generate - t_score
+
+        # --- 6. the dashboard: batch statistics over all processes ---
+        # >>> shared: dashboard
+        state["iteration"], state["episodes"] = iteration, state["episodes"] + responses_per_iteration
+        m = dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, rollout, P, reward_errors,
+                      (t0, t_generate, t_score, t_optimize), all_models, optimizers, responses_per_iteration, args)
+        # <<< shared: dashboard
+        m.update({
+            "objective/group_reward_std": global_mean(group_std),
+            "adv/zero_signal_fraction": global_mean(zero_signal),
+            "adv/abs_mean": global_mean(advantages.abs()),
+        })
+        if ref_policy is not None:  # nats per response, as in ppo.py
+            m["objective/kl"] = global_mean(((logprobs_old - logprobs_ref) * response_mask).sum(1))
+            m["objective/kl_coef"] = args.kl_coef
+
+        # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
+        # >>> shared: evaluate, alarms, log and save
+        if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
+            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device))
+        log.iteration(m, state, prompt_ids, texts, raw_score)
+        if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
+            save_checkpoint(args, models, optimizers, state, rank)
+        stop_and_save(received, args, models, optimizers, state, rank, device)
+
+    # --- last: the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
+    finish(policy, tokenizer, log, args, rank)
+    # <<< shared: evaluate, alarms, log and save
 
 
+# ======================================================================================================================
+# Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above.
+# ======================================================================================================================
+
+
+# >>> shared: processes and the task
+def start_processes(args):
+    """Under torchrun (even with one process) one process per device, the models sharded with FSDP2; a plain run
+    needs none of it. Sets args.world_size; returns this process's rank and device."""
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    return rank, device
+
+
+def load_task(args, device):
+    """The tokenizer, the training prompts (token lists) and their rows, the held-out (prompts, rows), the stop
+    tokens and the rule reward (or None), every row checked before any model loads."""
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; responses could never end. "
+                         "Set tokenizer.eos_token and save it.")
+    if tokenizer.pad_token_id is None:
+        warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is "
+                      "padding).")
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
+    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
+    eval_path = held_out_dataset(args)
+    held_out = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
+    return tokenizer, prompts, rows, held_out, stop_ids, REWARD_FNS.get(args.reward_fn)
+# <<< shared: processes and the task
+
+
+# >>> shared: loading
 def check_model_path(path, kind, what):
     """One sentence for a path that is not there or not the right kind of model, before anything loads."""
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder written by save_pretrained or a hub model name.")
+        raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
+                         "written by save_pretrained or a hub model name.")
     archs = config.architectures or []
-    if kind == "causal" and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT-2's is GPT2LMHeadModel
-        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a causal LM; pass a model saved as ...ForCausalLM (or ...LMHeadModel).")
+    found = archs or config.model_type
+    if kind == "causal" and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT-2: LMHeadModel
+        raise SystemExit(f"{what} '{path}' is a {found}, not a causal LM; pass a model saved as ...ForCausalLM "
+                         "(or ...LMHeadModel).")
     if kind == "classifier" and not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise SystemExit(f"{what} '{path}' is a {archs or config.model_type}, not a sequence classifier; pass a model saved as ...ForSequenceClassification with num_labels=1.")
+        raise SystemExit(f"{what} '{path}' is a {found}, not a sequence classifier; pass a model saved as "
+                         "...ForSequenceClassification with num_labels=1.")
     if kind == "classifier" and getattr(config, "num_labels", 1) != 1:
-        raise SystemExit(f"{what} '{path}' has {config.num_labels} labels; a reward model needs exactly one (num_labels=1).")
+        raise SystemExit(f"{what} '{path}' has {config.num_labels} labels; a reward model needs exactly one "
+                         "(num_labels=1).")
 
 
 def load_model(model_class, path, args, device, trained, **kwargs):
@@ -492,26 +617,31 @@ def load_model(model_class, path, args, device, trained, **kwargs):
     download at load time and different numerics) stay off unless --hub_kernels; they are applied once the
     model sits on its device, since at load time it is on the CPU, where nothing is replaced. Under torchrun
     the model is then sharded over the processes (a frozen one is left whole with --replicate_frozen)."""
-    dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)  # frozen: no fp32 master needed
+    # frozen models need no fp32 master weights
+    dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)
     model = model_class.from_pretrained(path, dtype=dtype, use_kernels=False, **kwargs).to(device).eval()
     if args.hub_kernels:
         from kernels import Mode
 
         model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
     model.requires_grad_(trained)
-    if args.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy does under torchrun
+    if args.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy under torchrun
         model.forward = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)(model.forward)
     if args.gradient_checkpointing and trained:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         if not blocks:
-            raise SystemExit(f"'{path}' does not checkpoint its blocks the way transformers 5 models do; run without --gradient_checkpointing.")
-        for block in blocks:  # transformers recomputes a block only in training mode: the blocks alone are flagged as
-            block.training = True  # training (recomputed with gradients on), their attention and MLP stay in eval mode (no dropout)
+            raise SystemExit(f"'{path}' does not checkpoint its blocks the way transformers 5 models do; run without "
+                             "--gradient_checkpointing.")
+        # transformers recomputes a block only in training mode: the blocks alone are flagged as training
+        # (recomputed with gradients on), their attention and MLP stay in eval mode (no dropout)
+        for block in blocks:
+            block.training = True
     if args.lora_r and trained:  # the base frozen, the adapters (and a classifier's head) trained
         from peft import get_peft_model
 
-        model = get_peft_model(model, lora_config(args, "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS")).eval()
+        task_type = "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS"
+        model = get_peft_model(model, lora_config(args, task_type)).eval()
     if dist.is_initialized() and (trained or not args.replicate_frozen):
         shard(model, args)
     return model
@@ -522,14 +652,15 @@ def lora_config(args, task_type):
     from peft import LoraConfig
 
     targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets, task_type=task_type)
+    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                      target_modules=targets, task_type=task_type)
 
 
 def adapter_dropout(models, on):
-    """Every model runs in eval mode, so that the log-probs recorded while sampling are the training forward's (the ratio
-    on the first minibatch is exactly 1). --lora_dropout is the one exception: the adapters' dropout is switched on for
-    the update and off again after it, so that it never touches sampling, the reference or evaluation. The price: the
-    first minibatch's ratios are then 1 only on average."""
+    """Every model runs in eval mode, so that the log-probs recorded while sampling are the training forward's (the
+    ratio on the first minibatch is exactly 1). --lora_dropout is the one exception: the adapters' dropout is
+    switched on for the update and off again after it, so that it never touches sampling, the reference or
+    evaluation. The price: the first minibatch's ratios are then 1 only on average."""
     for model in models:
         for name, module in model.named_modules():
             if "lora_dropout" in name.split(".") and isinstance(module, torch.nn.Dropout):
@@ -551,7 +682,9 @@ class AdaptersOff(torch.nn.Module):
 
 def load_reference(args, policy, device):
     """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
-    return AdaptersOff(policy) if args.lora_r else load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+    if args.lora_r:
+        return AdaptersOff(policy)
+    return load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
 
 
 def lora_policy_to_save(weights, args):
@@ -559,29 +692,56 @@ def lora_policy_to_save(weights, args):
     the base with the adapters merged in (W + lora_alpha / lora_r B A), or with --save_adapters_only the adapters."""
     from peft import get_peft_model
 
-    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.model_dtype), use_kernels=False)
+    dtype = getattr(torch, args.model_dtype)
+    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, use_kernels=False)
     model = get_peft_model(base, lora_config(args, "CAUSAL_LM"))
     model.load_state_dict(weights)
     return model if args.save_adapters_only else model.merge_and_unload()
 
 
+def load_reward_models(args, tokenizer, device):
+    """The frozen reward models, each with its own tokenizer where that differs from the policy's (None where it is
+    the same vocabulary, or the model folder has none): (model, own tokenizer or None) pairs."""
+    pairs = []
+    for path in args.reward_model_path:
+        model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
+        try:
+            own = AutoTokenizer.from_pretrained(path, padding_side="left")
+        except (OSError, ValueError, TypeError):
+            own = None
+        # It reads the policy's tokens when no tokenizer was saved with it (transformers then raises, or builds one
+        # that knows only the special tokens) or when its vocabulary is the policy's.
+        if own is not None and (set(own.get_vocab()) <= set(own.all_special_tokens)
+                                or own.get_vocab() == tokenizer.get_vocab()):
+            own = None
+        if own is not None and own.pad_token_id is None:
+            own.pad_token = own.eos_token or own.unk_token
+        model.config.pad_token_id = (own or tokenizer).pad_token_id
+        pairs.append((model, own))
+    return pairs
+# <<< shared: loading
+
+
+# >>> shared: FSDP2
 def shard(model, args):
-    """FSDP2 (PyTorch's fully_shard) over all processes: each transformer block is a unit whose parameters are gathered
-    just before it runs and freed after; the root unit holds the rest (embeddings, final norm, heads). Every process
-    keeps 1/world_size of each parameter, gradient and Adam state. Gradients are summed over the processes, not
-    averaged, since each process's loss is its share of the global minibatch's loss."""
+    """FSDP2 (PyTorch's fully_shard) over all processes: each transformer block is a unit whose parameters are
+    gathered just before it runs and freed after; the root unit holds the rest (embeddings, final norm, heads).
+    Every process keeps 1/world_size of each parameter, gradient and Adam state. Gradients are summed over the
+    processes, not averaged, since each process's loss is its share of the global minibatch's loss."""
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for module in [m for m in model.modules() if type(m).__name__ in model._no_split_modules] + [model]:  # the blocks, as each model names them
+    blocks = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]  # as each model names them
+    for module in blocks + [model]:
         fully_shard(module, mp_policy=bf16 if args.mixed_precision else MixedPrecisionPolicy())
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
 
 
 def hold_full_parameters(model, hold):
-    """FSDP2 gathers a block's parameters just before it runs and frees them after, which in a decode loop would be an
-    all-gather per block per token. While sampling, the policy keeps them gathered instead (one all-gather per block per
-    rollout), at the cost of a whole copy of its parameters on every process (15 GB for a 7B policy in bf16). Where that
-    does not fit, or sampling dominates the run, sample with a separate inference engine that is sent the new weights."""
+    """FSDP2 gathers a block's parameters just before it runs and frees them after, which in a decode loop would be
+    an all-gather per block per token. While sampling, the policy keeps them gathered instead (one all-gather per
+    block per rollout), at the cost of a whole copy of its parameters on every process (15 GB for a 7B policy in
+    bf16). Where that does not fit, or sampling dominates the run, sample with a separate inference engine that is
+    sent the new weights."""
     if isinstance(model, FSDPModule):
         model.set_reshard_after_forward(not hold)  # for every unit
         for module in model.modules() if not hold else []:
@@ -590,14 +750,16 @@ def hold_full_parameters(model, hold):
 
 
 def megabytes_held(models, optimizers):
-    """What this process holds of the models' parameters and the optimisers' states, in MB (under FSDP2, its shards)."""
-    tensors = [p for m in models for p in m.parameters()] + [x for o in optimizers for s in o.state.values() for x in s.values() if torch.is_tensor(x)]
+    """What this process holds of the models' parameters and the optimisers' states, in MB (under FSDP2, its
+    shards)."""
+    states = [x for o in optimizers for s in o.state.values() for x in s.values() if torch.is_tensor(x)]
+    tensors = [p for m in models for p in m.parameters()] + states
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors) / 2**20
 
 
 def gather_rows(tensors):
-    """The rows of every process, in rank order, for each tensor of a dict: the whole rollout on every process (token
-    ids and per-token floats, a few MB), so that each can take its share of the same global minibatches."""
+    """The rows of every process, in rank order, for each tensor of a dict: the whole rollout on every process
+    (token ids and per-token floats, a few MB), so that each can take its share of the same global minibatches."""
     if not dist.is_initialized():
         return tensors
     gathered = {}
@@ -608,27 +770,19 @@ def gather_rows(tensors):
     return gathered
 
 
-def load_reward_models(args, tokenizer, device):
-    """The frozen reward models, each with its own tokenizer where that differs from the policy's (None where it is the
-    same vocabulary, or the model folder has none): (model, own tokenizer or None) pairs."""
-    pairs = []
-    for path in args.reward_model_path:
-        model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
-        try:
-            own = AutoTokenizer.from_pretrained(path, padding_side="left")
-        except (OSError, ValueError, TypeError):
-            own = None
-        # It reads the policy's tokens when no tokenizer was saved with it (transformers then raises, or builds one that
-        # knows only the special tokens) or when its vocabulary is the policy's.
-        if own is not None and (set(own.get_vocab()) <= set(own.all_special_tokens) or own.get_vocab() == tokenizer.get_vocab()):
-            own = None
-        if own is not None and own.pad_token_id is None:
-            own.pad_token = own.eos_token or own.unk_token
-        model.config.pad_token_id = (own or tokenizer).pad_token_id
-        pairs.append((model, own))
-    return pairs
+def pad_responses(responses, logprobs, response_mask, pad_token_id):
+    """Right-pad the responses (B, T) of every process to the longest anywhere, so that the rollout's rows can be
+    gathered."""
+    T = torch.tensor(responses.shape[1], device=responses.device)
+    if dist.is_initialized():
+        dist.all_reduce(T, op=dist.ReduceOp.MAX)
+    pad = (0, T.item() - responses.shape[1])
+    return (torch.nn.functional.pad(responses, pad, value=pad_token_id), torch.nn.functional.pad(logprobs, pad),
+            torch.nn.functional.pad(response_mask, pad))
+# <<< shared: FSDP2
 
 
+# >>> shared: data
 def read_rows(path, split, args):
     """The dataset as a list of dicts. A local .jsonl (or .json) file is read line by line, so that a bad
     line is named; anything else is a hub dataset."""
@@ -638,24 +792,28 @@ def read_rows(path, split, args):
         try:
             return list(load_dataset(path, args.dataset_config, split=split))
         except (OSError, ValueError) as e:
-            raise SystemExit(f"hub dataset '{path}' (split '{split}', configuration {args.dataset_config}) could not be loaded ({type(e).__name__}: {e}); check its name, "
-                             "--dataset_config and the network (HF_HUB_OFFLINE=1 forbids downloads), or pass a local .jsonl file instead.")
+            raise SystemExit(f"hub dataset '{path}' (split '{split}', configuration {args.dataset_config}) could not "
+                             f"be loaded ({type(e).__name__}: {e}); check its name, --dataset_config and the network "
+                             "(HF_HUB_OFFLINE=1 forbids downloads), or pass a local .jsonl file instead.")
     if not os.path.isfile(path):
-        raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": ...}} rows or a hub dataset name.")
+        raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": "
+                         "...}} rows or a hub dataset name.")
     with open(path) as f:
         text = f.read()
     if path.endswith(".json") and text.lstrip().startswith("["):
         try:
             return json.loads(text)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"'{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file or write it as JSON lines.")
+            raise SystemExit(f"'{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file or write it as "
+                             "JSON lines.")
     rows = []
     for line_number, line in enumerate(text.splitlines(), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise SystemExit(f"line {line_number} of '{path}' is not valid JSON ({e.msg}); fix or remove that line.")
+                raise SystemExit(f"line {line_number} of '{path}' is not valid JSON ({e.msg}); fix or remove that "
+                                 "line.")
     return rows
 
 
@@ -669,24 +827,33 @@ def load_prompts(path, split, args, tokenizer):
     for n, row in enumerate(rows, 1):
         missing = [k for k in needed if not isinstance(row, dict) or k not in row]
         if missing == [args.answer_field]:
-            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{path}' has no '{args.answer_field}' (it has {list(row)}); pass --answer_field.")
+            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{path}' has no "
+                             f"'{args.answer_field}' (it has {list(row)}); pass --answer_field.")
         if missing:
-            raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has {list(row) if isinstance(row, dict) else type(row).__name__}); "
+            has = list(row) if isinstance(row, dict) else type(row).__name__
+            raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has {has}); "
                              "pass --prompt_field with the column holding the prompts.")
         prompt = row[args.prompt_field]
-        is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
         if not isinstance(prompt, str) and not is_chat:
-            raise SystemExit(f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or a list of {{\"role\", \"content\"}} messages.")
+            raise SystemExit(f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
+                             "a list of {\"role\", \"content\"} messages.")
         if (is_chat or args.chat_template) and tokenizer.chat_template is None:
-            raise SystemExit(f"row {n} of '{path}' needs a chat template, but the tokenizer of '{args.model_name_or_path}' has none; "
-                             "set tokenizer.chat_template and save it, or pass text prompts without --chat_template.")
-    prompts = [tokenizer(chat_text(row[args.prompt_field], tokenizer, args), add_special_tokens=False)["input_ids"] for row in rows]
+            raise SystemExit(f"row {n} of '{path}' needs a chat template, but the tokenizer of "
+                             f"'{args.model_name_or_path}' has none; set tokenizer.chat_template and save it, or "
+                             "pass text prompts without --chat_template.")
+    texts = [chat_text(row[args.prompt_field], tokenizer, args) for row in rows]
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
         longest = max(len(prompts[i]) for i in too_long)
-        raise SystemExit(f"{len(too_long)} prompts are longer than --max_prompt_length {args.max_prompt_length} (the longest has {longest} tokens); raise it, or pass --truncate_prompts to keep their last tokens.")
+        raise SystemExit(f"{len(too_long)} prompts are longer than --max_prompt_length {args.max_prompt_length} (the "
+                         f"longest has {longest} tokens); raise it, or pass --truncate_prompts to keep their last "
+                         "tokens.")
     if too_long:
-        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens (--truncate_prompts).")
+        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens "
+                      "(--truncate_prompts).")
         prompts = [p[-args.max_prompt_length :] for p in prompts]
     if any(len(p) == 0 for p in prompts):
         raise SystemExit(f"dataset '{path}' has empty prompts; remove them (a response needs a prompt to follow).")
@@ -712,7 +879,8 @@ def stop_token_ids(tokenizer, path):
         eos = None
     ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None}
     if tokenizer.chat_template is not None:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}], tokenize=False)
+        turns = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        text = tokenizer.apply_chat_template(turns, tokenize=False)
         after = tokenizer(text[text.rindex("2") + 1 :], add_special_tokens=False)["input_ids"]
         if after and after[0] in tokenizer.added_tokens_decoder and tokenizer.added_tokens_decoder[after[0]].special:
             ids.add(after[0])
@@ -728,6 +896,27 @@ def held_out_dataset(args):
     return beside if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside) else None
 
 
+def next_prompts(prompts, state, args, rank):
+    """This process's prompts of the iteration (dataset indices) and the length of the longest on any process (one
+    width, so that rows can be gathered). Every process draws the same shuffled order, a new one for each pass over
+    the data, and takes its own slice; the cursor in state moves on by the whole batch."""
+    if state["data_cursor"] + args.rollout_batch_size > len(prompts):
+        state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
+    shuffle = torch.Generator().manual_seed(args.seed + state["data_epoch"])
+    order = torch.randperm(len(prompts), generator=shuffle).tolist()
+    start = state["data_cursor"]
+    batch = [order[i % len(prompts)] for i in range(start, start + args.rollout_batch_size)]  # all processes'
+    state["data_cursor"] += args.rollout_batch_size
+    local_batch = args.rollout_batch_size // args.world_size
+    return batch[rank * local_batch : (rank + 1) * local_batch], max(len(prompts[i]) for i in batch)
+
+
+def row_uniforms(draws, rows, args, rank):
+    """This process's rows (rows, response_length) of the iteration's uniforms: every process draws all of them
+    from the same generator and keeps its own, so that a response never depends on the number of processes."""
+    return torch.rand(rows * args.world_size, args.response_length, generator=draws)[rank * rows : (rank + 1) * rows]
+
+
 def left_pad(sequences, pad_token_id, device, width=None):
     """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
     width = width or max(len(s) for s in sequences)
@@ -736,35 +925,151 @@ def left_pad(sequences, pad_token_id, device, width=None):
     for i, s in enumerate(sequences):
         ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
     return ids.to(device), mask.to(device)
+# <<< shared: data
 
 
-def pad_responses(responses, logprobs, response_mask, pad_token_id):
-    """Right-pad the responses of every process to the longest anywhere, so that the rollout's rows can be gathered."""
-    T = torch.tensor(responses.shape[1], device=responses.device)
-    if dist.is_initialized():
-        dist.all_reduce(T, op=dist.ReduceOp.MAX)
-    pad = (0, T.item() - responses.shape[1])
-    return (torch.nn.functional.pad(responses, pad, value=pad_token_id), torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(response_mask, pad))
-# <<< shared: models and data
+# >>> shared: rewards and evaluation
+@torch.no_grad()
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows,
+                    args):
+    """The raw score of each full response (B,): a reward model that shares the policy's tokenizer reads the token
+    ids and scores at the last real token (the EOS); one with a tokenizer of its own reads the prompt and the
+    decoded response re-tokenised for it; the rule reads the decoded text and the row's answer. Also returns the
+    rule's own scores (or None), the texts, and how many responses had no valid score (they stop the run, or with
+    --on_reward_error penalty score below the rest of the batch). rows: each response's dataset row."""
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) the final response token
+    rm_scores = []  # K x (B,)
+    for rm, own_tokenizer in reward_models:
+        if own_tokenizer is None:
+            values = in_chunks(lambda i, m: head_outputs(rm, i, m), args.micro_batch_size, input_ids, attention_mask)
+            rm_scores.append(values[torch.arange(len(responses)), last])
+        else:  # left-padded: the last position is every row's last real token
+            ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
+                                            input_ids.device)
+            rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
+    answers = [row.get(args.answer_field) for row in rows]
+    rule_scores, why = call_reward_fn(reward_fn, texts, answers) if reward_fn else (None, "not a finite number")
+    rule_scores = torch.tensor(rule_scores, device=responses.device) if reward_fn else None
+    score = combine_scores(rm_scores, rule_scores)
+    bad = ~torch.isfinite(score)
+    if bad.any():
+        i = bad.nonzero()[0, 0].item()
+        prompt = tokenizer.decode(input_ids[i, : input_ids.shape[1] - responses.shape[1]], skip_special_tokens=True)
+        if args.on_reward_error == "stop" or bad.all():
+            raise SystemExit(f"the reward of the response {texts[i]!r} to the prompt {prompt!r} is {why}; fix the "
+                             "reward, or pass --on_reward_error penalty to score such responses below the rest of "
+                             "the batch.")
+        score = torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score)
+    return score, rule_scores.nan_to_num(0.0) if reward_fn else None, texts, int(bad.sum())
 
 
-def build_models(args, tokenizer, device):
-    """Load the policy, its frozen reference and the reward models, in eval mode (no dropout). With
-    --kl_coef 0 nothing reads the reference, so it is not loaded at all."""
-    policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
-    ref_policy = load_reference(args, policy, device) if args.kl_coef > 0 else None
-    reward_models = load_reward_models(args, tokenizer, device)
-    return policy, ref_policy, reward_models
+def combine_scores(rm_scores, rule_scores=None):
+    """The score of each response (B,): the minimum over reward models (a response must fool all of them to be
+    over-rewarded: the ensemble fix for reward exploitation), plus the rule reward when there is one."""
+    score = torch.stack(rm_scores).min(0).values if rm_scores else torch.zeros_like(rule_scores)
+    return score + rule_scores if rule_scores is not None else score
 
 
-def validate(args):
-    """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
-    require(args, ("rollout_batch_size",), "must be at least 1", lambda v: v >= 1)
-    if args.num_generations < 2:
-        raise SystemExit(f"--num_generations must be at least 2 (got {args.num_generations}): the baseline is the other responses to the same prompt.")
-    require(args, ("learning_rate", "clip_range_low", "clip_range_high"), "must be positive", lambda v: v > 0)
-    require(args, ("kl_coef",), "must be zero or more", lambda v: v >= 0)
-    check_common_args(args, responses_per_iteration=args.rollout_batch_size * args.num_generations)
+def distinct_n(sequences, n):
+    """Distinct-n: unique n-grams over all n-grams in a batch of token lists (1.0 = no repetition)."""
+    ngrams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(ngrams)) / max(len(ngrams), 1)
+
+
+def arithmetic_reward(responses, answers):
+    """Rule reward: 1 when the response, stripped, is exactly the answer, else 0."""
+    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+
+
+def last_number(text):
+    """The last number written in a text ('1,234', '-5', '2.50'), as a float; None when there is none."""
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def gsm8k_reward(responses, answers):
+    """Rule reward for GSM8K: 1 when the response's last number equals the reference answer's final number, the
+    one after its '####' (a worked solution ending in '#### 72'), else 0."""
+    truths = [last_number(str(a).split("####")[-1]) for a in answers]
+    return [float(last_number(r) is not None and last_number(r) == t) for r, t in zip(responses, truths)]
+
+
+REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
+
+
+def call_reward_fn(reward_fn, texts, answers):
+    """A rule reward is user code. When the call on the batch fails (an exception, a wrong number of scores),
+    it is called again one response at a time, so that each failure is pinned on its response. Returns the
+    scores (nan where there is none) and what went wrong first."""
+    try:
+        scores = [float(x) for x in reward_fn(texts, answers)]
+        if len(scores) == len(texts):
+            return scores, "not a finite number"
+    except Exception:
+        pass
+    scores, errors = [], []
+    for text, answer in zip(texts, answers):
+        try:
+            (score,) = reward_fn([text], [answer])  # exactly one score, else a ValueError names the count
+            scores.append(float(score))
+        except Exception as e:
+            scores.append(float("nan"))
+            errors.append(f"an error ({type(e).__name__}: {e})")
+    if not errors:
+        raise SystemExit("the reward function fails on the whole batch but on no single response; it must return one "
+                         "score per response.")
+    return scores, errors[0]
+
+
+def reward_model_inputs(own_tokenizer, prompts, texts, device):
+    """A reward model's input when it has a tokenizer of its own: each prompt (text or chat messages, as the dataset
+    gives it) with its decoded response, through the reward model's chat template where it has one (a user turn and
+    an assistant turn), else the prompt text followed by the response with the tokenizer's own special tokens;
+    left-padded."""
+    sequences = []
+    for prompt, text in zip(prompts, texts):
+        if own_tokenizer.chat_template is not None:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            messages = messages + [{"role": "assistant", "content": text}]
+            rendered = own_tokenizer.apply_chat_template(messages, tokenize=False)
+            sequences.append(own_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        else:
+            prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            sequences.append(own_tokenizer(prompt + text)["input_ids"])
+    return left_pad(sequences, own_tokenizer.pad_token_id, device)
+
+
+@torch.no_grad()
+def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device):
+    """Mean raw score on the held-out (prompts, rows), sampled at the training temperature and greedy (with a rule
+    reward that is the accuracy). Each prompt has its own draws, the same at every evaluation and whatever the number
+    of processes."""
+    prompts, rows = held_out
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    seeded = torch.Generator().manual_seed(args.seed)
+    uniforms = torch.rand(len(prompts), args.response_length, generator=seeded).to(device)
+    # Each process takes a contiguous share; the last one is topped up with uncounted copies of the last prompt, so
+    # that all run the same batches (FSDP needs that).
+    share = -(-len(prompts) // args.world_size)
+    mine = range(rank * share, (rank + 1) * share)
+    counted = torch.tensor([i < len(prompts) for i in mine], device=device).float()
+    result = {}
+    for name, greedy in (("eval/score", False), ("eval/score_greedy", True)):
+        scores = []
+        for start in range(0, share, args.eval_batch_size):
+            idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.eval_batch_size]]
+            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
+            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
+                                                   args.temperature, stop_ids, tokenizer.pad_token_id,
+                                                   None if greedy else uniforms[idx])
+            input_ids = torch.cat([prompt_ids, responses], 1)
+            attention_mask = torch.cat([prompt_mask, response_mask], 1)
+            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
+                                          response_mask, [rows[i] for i in idx], args)[0])
+        result[name] = masked_mean(torch.cat(scores), counted).item()
+    return result
+# <<< shared: rewards and evaluation
 
 
 # >>> shared: checks and alarms
@@ -776,10 +1081,12 @@ def require(args, names, rule, ok):
 
 
 def check_common_args(args, responses_per_iteration):
-    """The checks every script shares; the output folder last, so that nothing is created for a run that cannot start."""
+    """The checks every script shares; the output folder last, so that nothing is created for a run that cannot
+    start."""
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
-    require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length", "max_prompt_length",
-                   "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"), "must be at least 1", lambda v: v >= 1)
+    require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length",
+                   "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"),
+            "must be at least 1", lambda v: v >= 1)
     require(args, ("max_grad_norm", "temperature"), "must be positive", lambda v: v > 0)
     require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
     require(args, ("lora_alpha",), "must be positive", lambda v: v > 0)
@@ -787,14 +1094,18 @@ def check_common_args(args, responses_per_iteration):
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
     if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
-        raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} (prompts, each process sampling whole groups) and --minibatch_size "
-                         f"{args.minibatch_size} must be multiples of the {args.world_size} processes.")
+        raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} (prompts, each process sampling whole "
+                         f"groups) and --minibatch_size {args.minibatch_size} must be multiples of the "
+                         f"{args.world_size} processes.")
     if responses_per_iteration % args.minibatch_size:
-        raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide the {responses_per_iteration} responses per iteration; pick sizes where it does.")
+        raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide the {responses_per_iteration} "
+                         "responses per iteration; pick sizes where it does.")
     if (args.minibatch_size // args.world_size) % args.micro_batch_size:
-        raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of {args.minibatch_size // args.world_size}; pick one that does.")
+        raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of "
+                         f"{args.minibatch_size // args.world_size}; pick one that does.")
     if args.total_episodes < responses_per_iteration:
-        raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of {responses_per_iteration} responses; raise it.")
+        raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of "
+                         f"{responses_per_iteration} responses; raise it.")
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
     if args.reward_fn and args.reward_fn not in REWARD_FNS:
@@ -802,7 +1113,8 @@ def check_common_args(args, responses_per_iteration):
     if args.model_dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
     if args.mixed_precision and args.model_dtype != "float32":
-        raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype (or make it float32).")
+        raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype "
+                         "(or make it float32).")
     check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
     for p in args.reward_model_path:
         check_model_path(p, "classifier", "--reward_model_path")
@@ -811,14 +1123,17 @@ def check_common_args(args, responses_per_iteration):
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as e:
-        raise SystemExit(f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a folder you can write.")
+        raise SystemExit(f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a "
+                         "folder you can write.")
 
 
 def failure_alarms(m, state, args):
     """Which failure signatures show in this iteration's metrics m. Collapse is measured against the run's
     first values and value divergence against a moving average, both kept in state (updated here). A
     signature whose metric is not logged (no critic, no reference model) never fires."""
-    for key, metric in (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"), ("first_value_loss", "val/loss")):
+    firsts = (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"),
+              ("first_value_loss", "val/loss"))
+    for key, metric in firsts:
         if state.get(key) is None:
             state[key] = m.get(metric)
     if "val/loss" in m:
@@ -827,51 +1142,62 @@ def failure_alarms(m, state, args):
     def fell(metric, first):  # below --alarm_collapse of its first value
         return m.get(metric) is not None and state[first] is not None and m[metric] < args.alarm_collapse * state[first]
 
+    rising = "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"]
     return {
         "kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
         "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
         "entropy_collapse": fell("policy/entropy", "first_entropy"),
-        "value_divergence": "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"],  # rising, not falling
+        "value_divergence": rising,  # the value loss rising, not falling
         "diversity_collapse": fell("response/distinct2", "first_distinct2"),
     }
 
 
 ALARMS = {
-    "kl_explosion": "KL to the reference is past --alarm_kl: raise --kl_coef (and --kl_target where there is one), lower the learning rate.",
-    "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or --num_epochs.",
-    "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, or stop earlier.",
-    "value_divergence": "the value loss (moving average) rose above its first value: keep --normalize_reward, lower --value_learning_rate.",
-    "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise --kl_coef, stop earlier.",
+    "kl_explosion": "KL to the reference is past --alarm_kl: raise --kl_coef (and --kl_target where there is one), "
+                    "lower the learning rate.",
+    "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or "
+                     "--num_epochs.",
+    "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, or "
+                        "stop earlier.",
+    "value_divergence": "the value loss (moving average) rose above its first value: keep --normalize_reward, lower "
+                        "--value_learning_rate.",
+    "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise "
+                          "--kl_coef, stop earlier.",
 }
 # <<< shared: checks and alarms
 
 
 # >>> shared: checkpoints, stop signals and bad steps
-# What may differ between a run and its resumption (the number of processes too); every other argument must be the same.
-RESUMABLE = ("resume", "num_iterations", "world_size", "output_dir", "total_episodes", "save_every", "keep_checkpoints", "max_bad_steps", "on_reward_error",
-             "track", "wandb_project", "exp_name", "log_samples_every")
+# What may differ between a run and its resumption (the number of processes too); every other argument must be the
+# same.
+RESUMABLE = ("resume", "num_iterations", "world_size", "output_dir", "total_episodes", "save_every", "keep_checkpoints",
+             "max_bad_steps", "on_reward_error", "track", "wandb_project", "exp_name", "log_samples_every")
 
 
 def checkpoints_in(folder):
     """The finished checkpoints in folder, oldest first (a save cut short is left under a '.tmp' name)."""
-    names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and n[11:].isdigit()] if os.path.isdir(folder) else []
+    names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and n[11:].isdigit()] \
+        if os.path.isdir(folder) else []
     return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[11:]))]
 
 
 def find_checkpoint(args):
-    """Turn --resume into a checkpoint folder (or None) and check it against the arguments, before any model loads."""
+    """Turn --resume into a checkpoint folder (or None) and check it against the arguments, before any model
+    loads."""
     if args.resume == "auto":
         args.resume = (checkpoints_in(args.output_dir) or [None])[-1]
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"--resume auto: {f'resuming from {args.resume}' if args.resume else f'no checkpoint in {args.output_dir}, starting afresh'}")
+            found = f"resuming from {args.resume}" if args.resume else f"no checkpoint in {args.output_dir}"
+            print(f"--resume auto: {found}" + ("" if args.resume else ", starting afresh"))
     if args.resume and not os.path.isfile(os.path.join(args.resume, "state.json")):
-        raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no state.json); pass an {args.output_dir}/checkpoint-N folder, or auto.")
+        raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no state.json); pass an "
+                         f"{args.output_dir}/checkpoint-N folder, or auto.")
     saved = json.load(open(os.path.join(args.resume, "args.json"))) if args.resume else {}
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
     changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
     if changed:
-        raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass those of its args.json "
-                         f"(only {', '.join('--' + k for k in RESUMABLE[3:])} may change).")
+        raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
+                         f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change).")
 
 
 def trainer_state_dicts(models, optimizers):
@@ -881,8 +1207,9 @@ def trainer_state_dicts(models, optimizers):
 
 def save_checkpoint(args, models, optimizers, state, rank):
     """Everything a resumed run needs (the trained models and optimisers, each process writing its own shards with
-    torch.distributed.checkpoint; the state; the log so far), written under a temporary name and then renamed: a kill
-    during a save leaves the previous checkpoint whole. Then all but the newest --keep_checkpoints are deleted."""
+    torch.distributed.checkpoint; the state; the log so far), written under a temporary name and then renamed: a
+    kill during a save leaves the previous checkpoint whole. Then all but the newest --keep_checkpoints are
+    deleted."""
     path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
     tmp = path + ".tmp"
     if os.path.isdir(path):  # this very state is saved already (a stop right after resuming)
@@ -896,12 +1223,13 @@ def save_checkpoint(args, models, optimizers, state, rank):
                 json.dump(content, f, indent=2)
     if args.world_size > 1:
         dist.barrier()  # the folder exists
-    with warnings.catch_warnings():  # a plain run's checkpoint is written by one process, as meant: no warning about it
+    with warnings.catch_warnings():  # a plain run's checkpoint is written by one process, as meant: no warning
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)  # returns when every process has written
     if rank == 0:
         os.rename(tmp, path)
-        cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir) if n.startswith("checkpoint-") and n.endswith(".tmp")]
+        cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir)
+                     if n.startswith("checkpoint-") and n.endswith(".tmp")]
         for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
             shutil.rmtree(old)
     return path
@@ -909,11 +1237,13 @@ def save_checkpoint(args, models, optimizers, state, rank):
 
 def load_checkpoint(path, models, optimizers):
     """Put the trained models and optimisers back as they were saved (resharded, should the number of processes
-    differ); returns the state. Nothing random needs restoring: every draw of an iteration is seeded by (seed, iteration)."""
+    differ); returns the state. Nothing random needs restoring: every draw of an iteration is seeded by (seed,
+    iteration)."""
     saved = trainer_state_dicts(models, optimizers)
     dcp.load(saved, checkpoint_id=path)
     for k in models:
-        set_state_dict(models[k], optimizers[k], model_state_dict=saved[k]["model"], optim_state_dict=saved[k]["optimizer"])
+        set_state_dict(models[k], optimizers[k], model_state_dict=saved[k]["model"],
+                       optim_state_dict=saved[k]["optimizer"])
     with open(os.path.join(path, "state.json")) as f:
         return json.load(f)
 
@@ -927,7 +1257,8 @@ def catch_stop_signals():
         if received:
             os._exit(128 + signum)
         received.append(signum)
-        print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (send it again to quit at once)", flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (send it again to quit at once)",
+              flush=True)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -943,12 +1274,14 @@ def stop_and_save(received, args, models, optimizers, state, rank, device):
         path = save_checkpoint(args, models, optimizers, state, rank)
         command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
         if rank == 0:
-            print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} --resume {path}", flush=True)
+            print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
+                  f"--resume {path}", flush=True)
         raise SystemExit(128 + signum.item())
 
 
 def clip_grad_norm(model, max_norm):
-    """Clip the model's gradient norm to max_norm; returns the norm before clipping (under FSDP2, over all shards)."""
+    """Clip the model's gradient norm to max_norm; returns the norm before clipping (under FSDP2, over all
+    shards)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
@@ -959,11 +1292,160 @@ def step_is_finite(grad_norms, state, iteration, args):
     state["bad_steps"] = 0 if all(torch.isfinite(n) for n in grad_norms) else state["bad_steps"] + 1
     state["skipped_steps"] += state["bad_steps"] > 0
     if state["bad_steps"] == 1:
-        print(f"iteration {iteration}: a non-finite loss or gradient; optimiser steps are skipped until a finite one", flush=True)
+        print(f"iteration {iteration}: a non-finite loss or gradient; optimiser steps are skipped until a finite one",
+              flush=True)
     if state["bad_steps"] >= args.max_bad_steps:
-        raise SystemExit(f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration {iteration}); the usual causes "
-                         "are a learning rate too high (lower it), rewards of a large scale (normalise them), bf16 or fp16 overflow (--model_dtype float32).")
+        raise SystemExit(f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration "
+                         f"{iteration}); the usual causes are a learning rate too high (lower it), rewards of a large "
+                         "scale (normalise them), bf16 or fp16 overflow (--model_dtype float32).")
     return state["bad_steps"] == 0
+
+
+def optimizer_step(models, optimizers, stats, state, iteration, args):
+    """One step of every trained model on the gradients accumulated so far: each clipped to --max_grad_norm (the
+    norms before clipping go to stats), the whole step skipped when any norm is not finite."""
+    norms = {name: clip_grad_norm(model, args.max_grad_norm) for name, model in models.items()}
+    for name, norm in norms.items():
+        stats[f"grad_norm/{name}"] += norm.item()
+    finite = step_is_finite(norms.values(), state, iteration, args)
+    for optimizer in optimizers.values():
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    stats["steps"] += 1
+# <<< shared: checkpoints, stop signals and bad steps
+
+
+# >>> shared: dashboard and log
+NOT_SUMS = ("tokens", "steps", "ratio_max", "first_ratio_dev")  # the keys of stats that are not sums over tokens
+
+
+@torch.no_grad()
+def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
+    """Add a micro-batch's per-token statistics (b, T) to the iteration's sums over valid tokens: each of terms, the
+    ratio's mean and the approximate KL; and the ratio's max and how far the first micro-batch's ratio is from 1."""
+    log_ratio = (logprobs - logprobs_old) * mask
+    terms = {**terms, "policy/ratio_mean": ratio, "policy/approx_kl": (ratio - 1) - log_ratio}
+    for key, x in terms.items():
+        stats[key] += (x * mask).sum().item()
+    stats["tokens"] += mask.sum().item()
+    stats["ratio_max"] = max(stats["ratio_max"], (ratio * mask).max().item())
+    if "first_ratio_dev" not in stats:  # ~0 unless logprobs_old went stale: a free sanity check
+        stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
+
+
+def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, rollout, P, reward_errors, times, models,
+              optimizers, responses_per_iteration, args):
+    """The metrics every script logs, as batch statistics over all processes: the score, the optimisation's means
+    per token (gradient norms per step), the responses' length, ending and diversity, time, health and memory.
+    times: (t0, t_generate, t_score, t_optimize) of the iteration."""
+    t0, t_generate, t_score, t_optimize = times
+    device = raw_score.device
+    sums = sorted(k for k in stats if k not in NOT_SUMS)
+    totals = torch.tensor([stats[k] for k in sums] + [stats["tokens"], stats["steps"]], device=device,
+                          dtype=torch.float64)
+    ratio_max = torch.tensor(stats["ratio_max"], device=device)
+    if args.world_size > 1:
+        dist.all_reduce(totals)
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+    n_tokens, n_steps = totals[-2].item(), totals[-1].item()
+    lengths = response_mask.sum(1).float()
+    token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], rollout["response_mask"].sum(1))]
+    m = {
+        "iteration": state["iteration"],
+        "episodes": state["episodes"],
+        "objective/score": global_mean(raw_score),
+        "policy/first_ratio_dev": stats.get("first_ratio_dev"),
+        "policy/ratio_max": ratio_max.item(),
+        "response/length": global_mean(lengths),
+        "response/eos_rate": global_mean(has_eos),
+        "response/distinct1": distinct_n(token_lists, 1),  # over all processes' responses
+        "response/distinct2": distinct_n(token_lists, 2),
+        "time/generate": t_generate,
+        "time/score": t_score,
+        "time/optimize": t_optimize,
+        "time/iteration": time.time() - t0,
+        "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
+        "health/skipped_steps": state["skipped_steps"],
+        "memory/model_states_mb": megabytes_held(models, optimizers.values()),  # this process's (rank 0's)
+    }
+    if rule_scores is not None:
+        m["objective/accuracy"] = global_mean(rule_scores)
+    m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in zip(sums, totals.tolist())})
+    m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
+    return m
+
+
+class Log:
+    """What a run shows and keeps, written by rank 0 alone: args.json, metrics.jsonl (a JSON line per iteration, the
+    file a checkpoint copies), a line printed per iteration with its alarms and, now and then, sample rows, a live
+    progress bar in a terminal, and wandb."""
+
+    def __init__(self, args, state, rank, tokenizer):
+        self.args, self.tokenizer, self.on = args, tokenizer, rank == 0
+        self.file = self.wandb = None
+        if self.on:
+            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
+                json.dump(asdict(args), f, indent=2)
+            metrics = os.path.join(args.output_dir, "metrics.jsonl")
+            if args.resume:  # the log as far as the checkpoint goes, then on from there
+                shutil.copy(os.path.join(args.resume, "metrics.jsonl"), metrics)
+            self.file = open(metrics, "a" if args.resume else "w")
+            self.wandb = start_wandb(args, state) if args.track else None
+        self.t_start = time.time() - state["elapsed"]
+        # The bar, with the time left, in a terminal only (a log file keeps one line per iteration); lines go above it.
+        self.progress = tqdm(total=args.num_iterations, initial=state["iteration"], unit="iter", dynamic_ncols=True,
+                             disable=not self.on or not sys.stderr.isatty())
+
+    def write(self, m, step):
+        if self.on:
+            self.file.write(json.dumps(m) + "\n")
+            self.file.flush()  # a checkpoint copies the file as it stands
+            if self.wandb:
+                self.wandb.log(m, step=step)
+
+    def before_training(self, evaluation):
+        """The held-out score of the starting policy, logged as iteration 0."""
+        m = {"iteration": 0, "episodes": 0, **evaluation, "time/elapsed": time.time() - self.t_start}
+        if self.on:
+            print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy "
+                  f"{m['eval/score_greedy']:+.3f}", flush=True)
+        self.write(m, step=0)
+
+    def iteration(self, m, state, prompt_ids, texts, scores):
+        """The alarms, the printed line, the bar, the log; sample rows (prompt, response, score) now and then."""
+        args, iteration = self.args, m["iteration"]
+        m["time/elapsed"] = state["elapsed"] = time.time() - self.t_start
+        firing = failure_alarms(m, state, args)
+        m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
+        if self.on:
+            shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
+            tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
+                       f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}")
+            for name, on in firing.items():
+                if on and name not in state["alarms_on"]:
+                    tqdm.write(f"ALARM {name}: {ALARMS[name]}")
+            objective = {label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED
+                         if key in m and key.startswith("objective/")}
+            self.progress.set_postfix(objective, refresh=False)
+            self.progress.update()
+            self.write(m, step=state["episodes"])
+            if iteration % args.log_samples_every == 0 or iteration == 1:
+                prompts = self.tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True)
+                samples = list(zip(prompts, texts[:3], scores[:3].tolist()))
+                for p, r, s in samples:
+                    print(f"    {s:+.2f} | {p!r} -> {r!r}")
+                if self.wandb:
+                    table = self.wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])
+                    self.wandb.log({"samples": table}, step=state["episodes"])
+        state["alarms_on"] = [name for name, on in firing.items() if on]
+
+    def close(self):
+        self.progress.close()
+        if self.on:
+            self.file.close()
+            if self.wandb:
+                self.wandb.finish()
 
 
 def start_wandb(args, state):
@@ -978,264 +1460,31 @@ def start_wandb(args, state):
         if os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
             socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
     except OSError:
-        print(f"wandb: {url.hostname} cannot be reached; logging offline under {args.output_dir}/wandb (upload it later with `wandb sync`)")
+        print(f"wandb: {url.hostname} cannot be reached; logging offline under {args.output_dir}/wandb (upload it "
+              "later with `wandb sync`)")
         os.environ["WANDB_MODE"] = "offline"
     state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in the same wandb run
-    wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args), id=state["wandb_id"], resume="allow", dir=args.output_dir, save_code=True)
+    wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args), id=state["wandb_id"],
+               resume="allow", dir=args.output_dir, save_code=True)
     return wandb
-# <<< shared: checkpoints, stop signals and bad steps
 
 
-# What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
-PRINTED = [("score", "objective/score", "+.3f"), ("acc", "objective/accuracy", ".3f"), ("kl", "objective/kl", ".2f"), ("len", "response/length", ".1f"),
-           ("eos", "response/eos_rate", ".2f"), ("d2", "response/distinct2", ".2f"), ("ent", "policy/entropy", ".2f"), ("clip", "policy/clipfrac", ".3f"),
-           ("zero-signal", "adv/zero_signal_fraction", ".2f"), ("held-out", "eval/score", "+.3f")]
-
-
-def main(args):
-    # --- distributed set-up: one process per device under torchrun; a plain run needs none of it ---
-    # >>> shared: set-up
-    rank, local_rank, args.world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if "WORLD_SIZE" in os.environ:  # launched by torchrun (even with one process): the models are sharded with FSDP2
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device)
-    is_main = rank == 0
-    validate(args)
-    torch.manual_seed(args.seed)  # the same on every process, so that a new value head starts the same everywhere
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
-    if tokenizer.eos_token_id is None:
-        raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; responses could never end. Set tokenizer.eos_token and save it.")
-    if tokenizer.pad_token_id is None:
-        warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is padding).")
-        tokenizer.pad_token = tokenizer.eos_token
-    prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
-    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
-    eval_path = held_out_dataset(args)
-    eval_prompts, eval_rows = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
-    reward_fn = REWARD_FNS.get(args.reward_fn)
-    # <<< shared: set-up
-    G = args.num_generations
-    responses_per_iteration = args.rollout_batch_size * G
-    args.num_iterations = args.total_episodes // responses_per_iteration
-    policy, ref_policy, reward_models = build_models(args, tokenizer, device)
-    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)  # fused: one pass over the weights per step
-    models, optimizers = {"policy": policy}, {"policy": policy_optimizer}
-    all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
-    # Everything besides the model and optimiser that a resumed run needs, in one place.
-    state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
-    if args.resume:
-        state = load_checkpoint(args.resume, models, optimizers)
-
-    # >>> shared: outputs and the starting policy's held-out score
-    if is_main:
-        with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-            json.dump(asdict(args), f, indent=2)
-        if args.resume:  # the log as far as the checkpoint goes, then on from there
-            shutil.copy(os.path.join(args.resume, "metrics.jsonl"), os.path.join(args.output_dir, "metrics.jsonl"))
-        metrics_file = open(os.path.join(args.output_dir, "metrics.jsonl"), "a" if args.resume else "w")
-        wandb = start_wandb(args, state) if args.track else None
-    local_batch = args.rollout_batch_size // args.world_size
-    t_start, received = time.time() - state["elapsed"], catch_stop_signals()
-    # A live bar with the time left, in a terminal only (a log file keeps one line per iteration); the lines go above it.
-    progress = tqdm(total=args.num_iterations, initial=state["iteration"], unit="iter", disable=not is_main or not sys.stderr.isatty(), dynamic_ncols=True)
-    if eval_prompts and not args.resume:  # logged as iteration 0: where the run starts from
-        m = {"iteration": 0, "episodes": 0, **evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_rows, args, rank, device)}
-        m["time/elapsed"] = time.time() - t_start
-        if is_main:
-            print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()  # a checkpoint copies the file as it stands
-            if args.track:
-                wandb.log(m, step=0)
-    # <<< shared: outputs and the starting policy's held-out score
-
-    for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
-        t0, state_before = time.time(), dict(state)  # what a stop before the update saves
-        # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
-        # >>> shared: prompts
-        if state["data_cursor"] + args.rollout_batch_size > len(prompts):
-            state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
-        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(args.seed + state["data_epoch"])).tolist()
-        batch = [order[i % len(prompts)] for i in range(state["data_cursor"], state["data_cursor"] + args.rollout_batch_size)]  # all processes'
-        idx, width = batch[rank * local_batch : (rank + 1) * local_batch], max(len(prompts[i]) for i in batch)  # one width, so rows can be gathered
-        state["data_cursor"] += args.rollout_batch_size
-        # <<< shared: prompts
-        idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
-        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)  # (B, P), B = local prompts x G
-        P = prompt_ids.shape[1]
-
-        # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
-        # >>> shared: generate and score
-        draws = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process: each row's uniforms, then the minibatches
-        uniforms = torch.rand(len(idx) * args.world_size, args.response_length, generator=draws)[rank * len(idx) : (rank + 1) * len(idx)].to(device)
-        responses, logprobs_old, response_mask = pad_responses(*generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
-                                                                         stop_ids, tokenizer.pad_token_id, uniforms), tokenizer.pad_token_id)  # (B, T) each
-        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, response_mask], 1)
-        t_generate = time.time() - t0
-        raw_score, rule_scores, texts, reward_errors = score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
-                                                                       response_mask, [rows[i] for i in idx], args)  # (B,)
-        has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
-        stop_and_save(received, args, models, optimizers, state_before, rank, device)  # a signal so far: drop this rollout
-        # <<< shared: generate and score
-
-        with torch.no_grad():
-            rewards = torch.where(has_eos, raw_score, raw_score - args.missing_eos_penalty)  # (B,)
-
-            # --- 4. group-relative advantages, one per response; the reference's log-probs for the KL term ---
-            advantages = group_advantages(rewards, G, args.scale_rewards)  # (B,)
-            group_std = rewards.view(-1, G).std(1, unbiased=False)  # (B / G,)
-            zero_signal = zero_signal_groups(rewards, G)  # (B / G,)
-            train_mask = response_mask * ~zero_signal.repeat_interleave(G)[:, None] if args.drop_zero_signal_groups else response_mask  # (B, T)
-            if ref_policy is not None:
-                logprobs_ref = in_chunks(lambda i, m: response_logprobs(ref_policy, i, m, P, args.temperature), args.micro_batch_size, input_ids, attention_mask)
-                logprobs_ref = logprobs_ref * response_mask  # (B, T)
-        t_score = time.time() - t0 - t_generate
-
-        # --- 5. optimise: epochs of shuffled minibatches, accumulated over micro-batches ---
-        # Every process holds the whole rollout and takes its share of each global minibatch: the minibatches, and so
-        # the run, are the same whatever the number of processes.
-        rollout = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask, train_mask=train_mask, logprobs_old=logprobs_old, advantages=advantages)
-        if ref_policy is not None:
-            rollout["logprobs_ref"] = logprobs_ref
-        rollout = gather_rows(rollout)
-        local_minibatch = args.minibatch_size // args.world_size
-        sums, counts = defaultdict(float), defaultdict(float)
-        ratio_max, first_ratio_dev = torch.zeros((), device=device), None
-        adapter_dropout(models.values(), True)  # --lora_dropout, in the training forward only
-        for epoch in range(args.num_epochs):
-            perm = torch.randperm(responses_per_iteration, generator=draws).to(device)
-            for mb_start in range(0, responses_per_iteration, args.minibatch_size):
-                mb_idx = perm[mb_start : mb_start + args.minibatch_size]
-                mb_mask = rollout["train_mask"][mb_idx]
-                mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
-                mb_sequences = mb_mask.amax(1).sum().item()  # responses it trains on
-                mine = mb_idx[rank * local_minibatch : (rank + 1) * local_minibatch]
-                if mb_tokens == 0:  # every response left out (zero signal): no step, not even Adam's momentum
-                    continue
-                for micro_start in range(0, local_minibatch, args.micro_batch_size):
-                    b = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}  # (b, ...) each
-                    mask = b["train_mask"].float()  # (b, T)
-                    logprobs, entropy = response_logprobs(policy, b["input_ids"], b["attention_mask"], P, args.temperature, return_entropy=True)
-                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, b["logprobs_old"], b["advantages"][:, None], args.clip_range_low, args.clip_range_high)
-                    per_token = pg_loss - args.ent_coef * entropy  # (b, T)
-                    if ref_policy is not None:
-                        kl_term = kl_penalty(logprobs, b["logprobs_ref"], args.kl_estimator)
-                        per_token = per_token + args.kl_coef * kl_term
-                        sums["policy/kl_term"] += (kl_term * mask).sum().item()
-                    loss = (per_token * loss_weights(mask, args.loss_aggregation, args.response_length, mb_sequences, mb_tokens)).sum()
-                    loss.backward()  # under FSDP2, also sums the gradients over the processes
-                    with torch.no_grad():
-                        log_ratio = (logprobs - b["logprobs_old"]) * mask
-                        for key, x in (("policy/loss", pg_loss), ("policy/entropy", entropy), ("policy/clipfrac", pg_clipped),
-                                       ("policy/ratio_mean", ratio), ("policy/approx_kl", (ratio - 1) - log_ratio)):
-                            sums[key] += (x * mask).sum().item()
-                        counts["tokens"] += mask.sum().item()
-                        ratio_max = torch.maximum(ratio_max, (ratio * mask).max())
-                        if first_ratio_dev is None:  # ~0 unless logprobs_old went stale: a free sanity check
-                            first_ratio_dev = ((ratio - 1).abs() * mask).max().item()
-                grad_norm = clip_grad_norm(policy, args.max_grad_norm)
-                sums["grad_norm/policy"] += grad_norm.item()
-                if step_is_finite([grad_norm], state, iteration, args):
-                    policy_optimizer.step()
-                policy_optimizer.zero_grad(set_to_none=True)
-                counts["steps"] += 1
-        adapter_dropout(models.values(), False)
-        t_optimize = time.time() - t0 - t_generate - t_score
-
-        # --- 6. the dashboard: batch statistics over all processes ---
-        # >>> shared: dashboard
-        state["iteration"], state["episodes"] = iteration, state["episodes"] + responses_per_iteration
-        tok_stats = torch.tensor([sums[k] for k in sorted(sums)] + [counts["tokens"], counts["steps"]], device=device, dtype=torch.float64)
-        if args.world_size > 1:
-            dist.all_reduce(tok_stats)
-            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-        opt = dict(zip(sorted(sums), tok_stats[:-2].tolist()))
-        n_tokens, n_steps = tok_stats[-2].item(), tok_stats[-1].item()
-        lengths = response_mask.sum(1).float()
-        token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], rollout["response_mask"].sum(1))]  # all processes'
-        m = {
-            "iteration": iteration,
-            "episodes": state["episodes"],
-            "objective/score": global_mean(raw_score),
-            "policy/first_ratio_dev": first_ratio_dev,
-            "policy/ratio_max": ratio_max.item(),
-            "response/length": global_mean(lengths),
-            "response/eos_rate": global_mean(has_eos),
-            "response/distinct1": distinct_n(token_lists, 1),
-            "response/distinct2": distinct_n(token_lists, 2),
-            "time/generate": t_generate,
-            "time/score": t_score,
-            "time/optimize": t_optimize,
-            "time/iteration": time.time() - t0,
-            "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
-            "health/skipped_steps": state["skipped_steps"],
-            "memory/model_states_mb": megabytes_held(all_models, optimizers.values()),  # this process's (rank 0's)
-        }
-        if rule_scores is not None:
-            m["objective/accuracy"] = global_mean(rule_scores)
-        m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in opt.items()})
-        m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
-        # <<< shared: dashboard
-        m.update({
-            "objective/group_reward_std": global_mean(group_std),
-            "adv/zero_signal_fraction": global_mean(zero_signal),
-            "adv/abs_mean": global_mean(advantages.abs()),
-        })
-        if ref_policy is not None:
-            m["objective/kl"] = global_mean(((logprobs_old - logprobs_ref) * response_mask).sum(1))  # nats per response, as in ppo.py
-            m["objective/kl_coef"] = args.kl_coef
-
-        # --- 7. held-out score, alarms for the classic failure modes, the log ---
-        # >>> shared: evaluate, alarms, log and save
-        if eval_prompts and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, eval_prompts, eval_rows, args, rank, device))
-        m["time/elapsed"] = state["elapsed"] = time.time() - t_start
-        firing = failure_alarms(m, state, args)
-        m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
-        if is_main:
-            shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
-            tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | {m['time/iteration']:.1f}s gen {t_generate / m['time/iteration']:.0%}")
-            for name, on in firing.items():
-                if on and name not in state["alarms_on"]:
-                    tqdm.write(f"ALARM {name}: {ALARMS[name]}")
-            progress.set_postfix({label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m and key.startswith("objective/")}, refresh=False)
-            progress.update()
-            metrics_file.write(json.dumps(m) + "\n")
-            metrics_file.flush()
-            if args.track:
-                wandb.log(m, step=state["episodes"])
-            if iteration % args.log_samples_every == 0 or iteration == 1:
-                samples = list(zip(tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True), texts[:3], raw_score[:3].tolist()))
-                for p, r, s in samples:
-                    print(f"    {s:+.2f} | {p!r} -> {r!r}")
-                if args.track:
-                    wandb.log({"samples": wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])}, step=state["episodes"])
-        state["alarms_on"] = [name for name, on in firing.items() if on]
-        if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
-            save_checkpoint(args, models, optimizers, state, rank)
-        stop_and_save(received, args, models, optimizers, state, rank, device)
-
-    # --- last: save the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
+def finish(policy, tokenizer, log, args, rank):
+    """The trained policy and its tokenizer saved where from_pretrained loads them (under FSDP2, gathered from the
+    shards; under LoRA, merged or the adapters alone); the log closed; the processes' group ended."""
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    progress.close()
-    if is_main:
-        metrics_file.close()
+    if rank == 0:
         if args.lora_r:
             lora_policy_to_save(weights, args).save_pretrained(args.output_dir)
         else:
             named = dict(policy.named_parameters()) | dict(policy.named_buffers())
-            policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})  # tied weights once
+            policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})
         tokenizer.save_pretrained(args.output_dir)
         print(f"saved the policy to {args.output_dir}")
-        if args.track:
-            wandb.finish()
+    log.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-    # <<< shared: evaluate, alarms, log and save
+# <<< shared: dashboard and log
 
 
 if __name__ == "__main__":

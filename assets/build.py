@@ -435,7 +435,10 @@ def train_sft(cfg: Config, tok, corpora: dict, log=print):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 200 == 0 or step == cfg.sft_steps - 1:
-            log(f"sft step {step:5d}  reviews {loss_r.item():.3f}  arithmetic {loss_a.item():.3f}  {time.time() - t0:.0f}s")
+            log(
+                f"sft step {step:5d}  reviews {loss_r.item():.3f}  arithmetic {loss_a.item():.3f}  "
+                f"{time.time() - t0:.0f}s"
+            )
     model.eval()
     return model
 

@@ -61,7 +61,9 @@ QWEN05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=
 def load_model(name, dtype, device):
     """The policy for a --models entry, in eval mode, and its pad token id."""
     if name == "tiny":
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets/tiny-sft"), dtype=dtype, use_kernels=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.join(ROOT, "assets/tiny-sft"), dtype=dtype, use_kernels=False
+        )
     elif name == "qwen0.5b-shape":
         with torch.device(device):  # random init straight on the device
             model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN05B_SHAPE), dtype=dtype)
@@ -139,14 +141,19 @@ class PartTimer:
 
 
 @torch.no_grad()
-def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, uniforms):
+def generate_timed(
+    timer, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, uniforms
+):
     """ppo.py's `generate` (sampling branch; no FSDP) statement for statement, each part inside a timer."""
     with timer("prefill"):
         B = prompt_ids.shape[0]
         cache = DynamicCache()
         attention_mask = prompt_mask
         positions = position_ids_from(prompt_mask)
-        logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = policy(
+            input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
         next_position = positions[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
         tokens, logprobs, masks = [], [], []
@@ -154,7 +161,9 @@ def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, tempe
         with timer("sampling (softmax + inverse CDF)"):
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             cdf = probs.cumsum(-1)
-            token = torch.searchsorted(cdf, uniforms[:, step, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+            token = torch.searchsorted(cdf, uniforms[:, step, None] * cdf[:, -1:], right=True)[:, 0].clamp(
+                max=probs.shape[1] - 1
+            )
         with timer("log-prob (token_logprobs)"):
             logprob = token_logprobs(logits, token, temperature)
         with timer("bookkeeping (where, appends, done)"):
@@ -168,7 +177,10 @@ def generate_timed(timer, policy, prompt_ids, prompt_mask, max_new_tokens, tempe
         with timer("bookkeeping (mask cat)"):
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         with timer("model forward"):
-            out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache, use_cache=True)
+            out = policy(
+                input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache,
+                use_cache=True,
+            )
             logits, next_position = out.logits[:, -1], next_position + 1
     with timer("bookkeeping (stack)"):
         result = torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
@@ -227,9 +239,12 @@ def main(argv=None):
     cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(a.threads)
-    name = torch.cuda.get_device_name(device) if cuda else f"CPU ({platform.processor() or platform.machine()}, {a.threads} threads)"
-    lines = [f"torch {torch.__version__}, transformers {transformers.__version__}, {name}, {a.dtype}, T={a.temperature}, "
-             f"prompt {a.prompt_len} (left-padded), {datetime.datetime.now():%Y-%m-%d %H:%M}"]
+    name = (
+        torch.cuda.get_device_name(device) if cuda
+        else f"CPU ({platform.processor() or platform.machine()}, {a.threads} threads)"
+    )
+    lines = [f"torch {torch.__version__}, transformers {transformers.__version__}, {name}, {a.dtype}, "
+             f"T={a.temperature}, prompt {a.prompt_len} (left-padded), {datetime.datetime.now():%Y-%m-%d %H:%M}"]
     bandwidth = copy_bandwidth(device) if cuda else None
     if cuda:
         lines.append(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + written)")
@@ -267,12 +282,15 @@ def main(argv=None):
                 limit = n * decode_bytes(model, batch, a.prompt_len + n / 2) / bandwidth if cuda else None
                 for m in methods:
                     ratio = f"{median['hf-generate'] / median[m]:.2f}x" if "hf-generate" in median else "n/a"
-                    row = f"| {model_name} | {batch} | {n} | {m} | {median[m]:.3f} | {batch * n / median[m]:,.0f} | {ratio} | "
+                    row = (f"| {model_name} | {batch} | {n} | {m} | {median[m]:.3f} | {batch * n / median[m]:,.0f} | "
+                           f"{ratio} | ")
                     row += f"{peak[m]:.2f} | " if cuda else ""
                     row += f"{limit:.3f} | {100 * limit / median[m]:.0f}% |" if cuda else "n/a | n/a |"
                     emit(row)
                 if a.breakdown and breakdown is None:
-                    breakdown = part_table(model, model_name, batch, n, ids, mask, pad, a, device, median.get("scripts"))
+                    breakdown = part_table(
+                        model, model_name, batch, n, ids, mask, pad, a, device, median.get("scripts")
+                    )
         model = None  # free it before the next one loads
         if cuda:
             torch.cuda.empty_cache()

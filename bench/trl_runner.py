@@ -41,8 +41,8 @@ def arguments(argv=None):
     p.add_argument("--model_dtype", default="float32")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ppo_steps", choices=["per_minibatch", "as_released"], default="per_minibatch",
-                   help="PPO only: one optimiser step per minibatch as ppo.py takes (set on the trainer's Accelerator after "
-                        "construction), or TRL 1.12 as configured, whose accumulation counter steps once every "
+                   help="PPO only: one optimiser step per minibatch as ppo.py takes (set on the trainer's Accelerator "
+                        "after construction), or TRL 1.12 as configured, whose accumulation counter steps once every "
                         "num_mini_batches minibatches")
     return p.parse_args(argv)
 
@@ -73,7 +73,8 @@ def trl_config(a):
         return dict(
             common,
             per_device_train_batch_size=a.micro_batch_size,
-            gradient_accumulation_steps=n // a.micro_batch_size,  # so that the rollout is per_device x accumulation = n prompts
+            # so that the rollout is per_device x accumulation = n prompts
+            gradient_accumulation_steps=n // a.micro_batch_size,
             num_mini_batches=n // a.minibatch_size,
             num_ppo_epochs=a.num_epochs, total_episodes=a.total_episodes, local_rollout_forward_batch_size=n,
             response_length=a.response_length, stop_token="eos", missing_eos_penalty=a.missing_eos_penalty,
@@ -93,7 +94,8 @@ def trl_config(a):
         max_steps=a.total_episodes // n * steps, logging_steps=steps,
         model_init_kwargs={"dtype": a.model_dtype, "use_kernels": False},
         shuffle_dataset=True, log_completions=False,
-        **(dict(scale_rewards="group", loss_type="dapo") if a.algorithm == "grpo" else dict(normalize_advantages=False)),
+        **(dict(scale_rewards="group", loss_type="dapo") if a.algorithm == "grpo"
+           else dict(normalize_advantages=False)),
     )
 
 
@@ -105,19 +107,23 @@ def main():
 
     os.makedirs(a.output_dir, exist_ok=True)
     log = open(os.path.join(a.output_dir, "metrics.jsonl"), "w")
-    per_iteration = 1 if a.algorithm == "ppo" else steps_per_iteration(a)  # trainer steps (on_step_end calls) per iteration
+    # trainer steps (on_step_end calls) per iteration
+    per_iteration = 1 if a.algorithm == "ppo" else steps_per_iteration(a)
 
     class IterationTimer(TrainerCallback):
         """One row per iteration: wall time since the previous iteration ended, and the optimiser steps taken."""
 
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
             self.steps, self.iteration, self.last = 0, 0, time.perf_counter()
-            getattr(optimizer, "optimizer", optimizer).register_step_post_hook(lambda *_: setattr(self, "steps", self.steps + 1))
+            getattr(optimizer, "optimizer", optimizer).register_step_post_hook(
+                lambda *_: setattr(self, "steps", self.steps + 1)
+            )
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % per_iteration == 0:
                 now, self.iteration = time.perf_counter(), self.iteration + 1
-                log.write(json.dumps({"iteration": self.iteration, "time/iteration": now - self.last, "optimizer_steps": self.steps}) + "\n")
+                log.write(json.dumps({"iteration": self.iteration, "time/iteration": now - self.last,
+                                      "optimizer_steps": self.steps}) + "\n")
                 log.flush()
                 self.last, self.steps = now, 0
 
@@ -136,13 +142,15 @@ def main():
         def causal():
             return AutoModelForCausalLM.from_pretrained(a.model_name_or_path, dtype=dtype, use_kernels=False)
 
-        value = AutoModelForSequenceClassification.from_pretrained(a.reward_model_path[0], num_labels=1, dtype=dtype, use_kernels=False)
+        value = AutoModelForSequenceClassification.from_pretrained(
+            a.reward_model_path[0], num_labels=1, dtype=dtype, use_kernels=False
+        )
         value.config.pad_token_id = tokenizer.pad_token_id
         ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
         train = Dataset.from_dict({"input_ids": ids})
         trainer = PPOTrainer(args=PPOConfig(**config), processing_class=tokenizer, model=causal(), ref_model=causal(),
-                             reward_model=reward_models[0], value_model=value, train_dataset=train, eval_dataset=train.select(range(8)),
-                             callbacks=[IterationTimer()])
+                             reward_model=reward_models[0], value_model=value, train_dataset=train,
+                             eval_dataset=train.select(range(8)), callbacks=[IterationTimer()])
         if a.ppo_steps == "per_minibatch":
             trainer.accelerator.gradient_accumulation_steps = 1
     else:
@@ -164,7 +172,8 @@ def main():
             funcs.append(rule_reward)
         train = Dataset.from_list([{k: r[k] for k in ("prompt", "answer") if k in r} for r in rows])
         trainer = Trainer(model=a.model_name_or_path, reward_funcs=funcs, args=Config(**config), train_dataset=train,
-                          processing_class=tokenizer, reward_processing_classes=[tokenizer] * len(funcs) if reward_models else None,
+                          processing_class=tokenizer,
+                          reward_processing_classes=[tokenizer] * len(funcs) if reward_models else None,
                           callbacks=[IterationTimer()])
     trainer.train()
     log.close()

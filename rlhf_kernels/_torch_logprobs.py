@@ -126,11 +126,15 @@ class TorchTokenLogprobs(torch.autograd.Function):
                 if want_entropy:
                     ent = torch.where(msk, ent, zero)
         del A, B_
-        return save_and_return(ctx, logits, tok, msk, lse, ent, logp, (inv_t, want_entropy, inplace_backward, chunk_rows))
+        return save_and_return(
+            ctx, logits, tok, msk, lse, ent, logp, (inv_t, want_entropy, inplace_backward, chunk_rows)
+        )
 
     @staticmethod
     def backward(ctx, *grads):
-        (logits, tok, msk, lse, ent, logp), (inv_t, want_entropy, inplace, chunk_rows), g_lp, g_h = incoming_grads(ctx, grads)
+        (logits, tok, msk, lse, ent, logp), (inv_t, want_entropy, inplace, chunk_rows), g_lp, g_h = incoming_grads(
+            ctx, grads
+        )
         if g_lp is None and g_h is None:
             return (None,) * 7
         x3, copied = rows_view(logits)

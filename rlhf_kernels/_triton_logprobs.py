@@ -176,7 +176,9 @@ class TritonTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        (logits, tok, msk_i, lse, ent, logp), (inv_t, want_entropy, inplace, block), g_lp, g_h = incoming_grads(ctx, grads)
+        (logits, tok, msk_i, lse, ent, logp), (inv_t, want_entropy, inplace, block), g_lp, g_h = incoming_grads(
+            ctx, grads
+        )
         if g_lp is None and g_h is None:
             return (None,) * 7
         x3, copied = rows_view(logits)

@@ -39,7 +39,9 @@ class LinearTokenLogprobs(torch.autograd.Function):
                 s1 = min(N, s0 + rows)
                 n = s1 - s0
                 xc = h2[s0:s1] @ weight.t()
-                lp, ls, en = _tl._forward_chunk(xc, tok[s0:s1], scale, inv_t, want_entropy, A[:n], None if B_ is None else B_[:n])
+                lp, ls, en = _tl._forward_chunk(
+                    xc, tok[s0:s1], scale, inv_t, want_entropy, A[:n], None if B_ is None else B_[:n]
+                )
                 logp[s0:s1], lse[s0:s1] = lp, ls
                 if want_entropy:
                     ent[s0:s1] = en
@@ -93,7 +95,11 @@ class LinearTokenLogprobs(torch.autograd.Function):
             if msk is not None:
                 xc.masked_fill_(~msk[s0:s1, None], 0)
             if need_h:
-                torch.mm(xc, weight, out=grad_h[s0:s1]) if grad_h.dtype == xc.dtype else grad_h[s0:s1].copy_(xc @ weight)
+                (
+                    torch.mm(xc, weight, out=grad_h[s0:s1])
+                    if grad_h.dtype == xc.dtype
+                    else grad_h[s0:s1].copy_(xc @ weight)
+                )
             if need_w:
                 grad_w.add_((xc.t() @ hc).float())
         gh = grad_h.view(hidden.shape) if need_h else None

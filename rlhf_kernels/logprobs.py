@@ -74,12 +74,18 @@ def token_logprobs(
         if not _triton_available():
             raise ImportError("backend='triton' requested but triton is not importable")
         if not logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise RuntimeError("backend='triton' on non-CUDA tensors needs TRITON_INTERPRET=1 set before importing triton")
+            raise RuntimeError(
+                "backend='triton' on non-CUDA tensors needs TRITON_INTERPRET=1 set before importing triton"
+            )
         from ._triton_logprobs import TritonTokenLogprobs
 
-        return TritonTokenLogprobs.apply(logits, tokens, mask, temperature, bool(return_entropy), bool(inplace_backward), None)
+        return TritonTokenLogprobs.apply(
+            logits, tokens, mask, temperature, bool(return_entropy), bool(inplace_backward), None
+        )
     if backend == "torch":
         from ._torch_logprobs import TorchTokenLogprobs
 
-        return TorchTokenLogprobs.apply(logits, tokens, mask, temperature, bool(return_entropy), bool(inplace_backward), None)
+        return TorchTokenLogprobs.apply(
+            logits, tokens, mask, temperature, bool(return_entropy), bool(inplace_backward), None
+        )
     raise ValueError(f"unknown backend {backend!r} (expected 'auto', 'triton' or 'torch')")

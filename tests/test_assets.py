@@ -76,8 +76,10 @@ def test_shipped_assets_load_offline(no_network):
 def test_prompt_sets_load_with_datasets():
     from datasets import load_dataset
 
-    reviews = load_dataset("json", data_files={s: os.path.join(ASSETS, f"reviews/{s}.jsonl") for s in ("train", "test")})
-    arith = load_dataset("json", data_files={s: os.path.join(ASSETS, f"arithmetic/{s}.jsonl") for s in ("train", "test")})
+    reviews = load_dataset("json",
+                           data_files={s: os.path.join(ASSETS, f"reviews/{s}.jsonl") for s in ("train", "test")})
+    arith = load_dataset("json",
+                         data_files={s: os.path.join(ASSETS, f"arithmetic/{s}.jsonl") for s in ("train", "test")})
     assert len(reviews["train"]) >= 1000 and len(reviews["test"]) >= 100
     assert len(arith["train"]) >= 1000 and len(arith["test"]) >= 100
     assert isinstance(arith["test"][0]["answer"], str)

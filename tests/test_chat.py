@@ -31,9 +31,11 @@ def write_rows(path, rows):
 
 def test_chat_prompts_render_as_the_template_says(tmp_path):
     tokenizer = chat_tokenizer()
-    rows = [{"prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "the food was"}]}, {"prompt": "the room was"}]
+    rows = [{"prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "the food was"}]},
+            {"prompt": "the room was"}]
     path = write_rows(tmp_path / "chat.jsonl", rows)
-    by_hand = ["<|system|>be kind<|end|>\n<|user|>the food was<|end|>\n<|assistant|>", "<|user|>the room was<|end|>\n<|assistant|>"]
+    by_hand = ["<|system|>be kind<|end|>\n<|user|>the food was<|end|>\n<|assistant|>",
+               "<|user|>the room was<|end|>\n<|assistant|>"]
     args = ppo.Args(chat_template=True)
     prompts, _ = ppo.load_prompts(path, "train", args, tokenizer)
     assert prompts == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in by_hand]
@@ -41,13 +43,15 @@ def test_chat_prompts_render_as_the_template_says(tmp_path):
     assert end in prompts[0] and prompts[0].count(end) == 2  # the special token is one token, not its characters
     # without --chat_template, text stays text and messages are still rendered
     prompts, _ = ppo.load_prompts(path, "train", ppo.Args(), tokenizer)
-    assert prompts == [tokenizer(by_hand[0], add_special_tokens=False)["input_ids"], tokenizer("the room was", add_special_tokens=False)["input_ids"]]
+    assert prompts == [tokenizer(by_hand[0], add_special_tokens=False)["input_ids"],
+                       tokenizer("the room was", add_special_tokens=False)["input_ids"]]
 
 
 def test_stop_tokens_are_eos_the_generation_config_and_the_end_of_turn(tmp_path):
     tokenizer = chat_tokenizer()
     end = tokenizer.convert_tokens_to_ids("<|end|>")
-    assert ppo.stop_token_ids(tokenizer, str(tmp_path)).tolist() == sorted([tokenizer.eos_token_id, end])  # no generation_config.json here
+    # no generation_config.json here
+    assert ppo.stop_token_ids(tokenizer, str(tmp_path)).tolist() == sorted([tokenizer.eos_token_id, end])
     plain = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain.eos_token_id, 7]}))
     assert ppo.stop_token_ids(plain, str(tmp_path)).tolist() == sorted({plain.eos_token_id, 7})
@@ -57,16 +61,21 @@ def test_a_response_ends_at_any_stop_token():
     """Sample once with no stop token reachable; then make the token sampled third a stop token: the same response
     ends there, the mask covering it, pad after it, and with the same log-probs up to it."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )
     policy = LlamaForCausalLM(config).eval()
     prompt_ids, prompt_mask = ppo.left_pad([[5, 6, 7]], 0, "cpu")
     uniforms = torch.rand(1, 8, generator=torch.Generator().manual_seed(1))
     free, free_logprobs, free_mask = ppo.generate(policy, prompt_ids, prompt_mask, 8, 0.8, -1, 0, uniforms)
     assert free_mask.sum() == 8
     third = free[0, 2].item()
-    first = free[0].tolist().index(third)  # the token may have come up earlier: the response ends at its first use
-    stopped, logprobs, mask = ppo.generate(policy, prompt_ids, prompt_mask, 8, 0.8, torch.tensor([1, third]), 0, uniforms)
+    # the token may have come up earlier: the response ends at its first use
+    first = free[0].tolist().index(third)
+    stopped, logprobs, mask = ppo.generate(
+        policy, prompt_ids, prompt_mask, 8, 0.8, torch.tensor([1, third]), 0, uniforms
+    )
     assert stopped[0, : first + 1].tolist() == free[0, : first + 1].tolist()
     assert mask[0].tolist() == [1] * (first + 1) + [0] * (mask.shape[1] - first - 1)
     assert (stopped[0, first + 1 :] == 0).all()
@@ -96,8 +105,9 @@ def test_a_run_on_chat_prompts(tmp_path):
     tokenizer.save_pretrained(str(model))
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "reviews", "train.jsonl"))][:64]
     data = write_rows(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows])
-    metrics, printed = run_script("ppo.py", tmp_path / "out", "--model_name_or_path", str(model), "--dataset", data, "--total_episodes", "32",
-                                  "--rollout_batch_size", "16", "--minibatch_size", "8", "--micro_batch_size", "8", "--num_epochs", "1", "--eval_every", "0",
+    metrics, printed = run_script("ppo.py", tmp_path / "out", "--model_name_or_path", str(model), "--dataset", data,
+                                  "--total_episodes", "32", "--rollout_batch_size", "16", "--minibatch_size", "8",
+                                  "--micro_batch_size", "8", "--num_epochs", "1", "--eval_every", "0",
                                   "--log_samples_every", "1", "--max_prompt_length", "96")
     assert [r["iteration"] for r in metrics] == [1, 2]
     assert "<|user|>" in printed and "<|assistant|>" in printed

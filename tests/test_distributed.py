@@ -34,11 +34,12 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 # Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
 # batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
 ARGS = {
-    "ppo.py": ["--total_episodes", "48", "--rollout_batch_size", "16", "--minibatch_size", "8", "--micro_batch_size", "2", "--num_epochs", "2"],
-    "grpo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8", "--minibatch_size", "16", "--micro_batch_size", "4",
-                "--num_epochs", "2"],
-    "rloo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8", "--minibatch_size", "16", "--micro_batch_size", "4",
-                "--num_epochs", "2"],
+    "ppo.py": ["--total_episodes", "48", "--rollout_batch_size", "16", "--minibatch_size", "8",
+               "--micro_batch_size", "2", "--num_epochs", "2"],
+    "grpo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8",
+                "--minibatch_size", "16", "--micro_batch_size", "4", "--num_epochs", "2"],
+    "rloo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8",
+                "--minibatch_size", "16", "--micro_batch_size", "4", "--num_epochs", "2"],
 }
 
 
@@ -54,12 +55,14 @@ def held_out(tmp_path_factory):
 
 def common(script, held_out):
     task = "arithmetic" if script == "grpo.py" else "reviews"
-    return [*ARGS[script], "--response_length", "8", "--eval_every", "1", "--eval_batch_size", "4", "--eval_dataset", held_out[task], "--save_every", "1"]
+    return [*ARGS[script], "--response_length", "8", "--eval_every", "1", "--eval_batch_size", "4",
+            "--eval_dataset", held_out[task], "--save_every", "1"]
 
 
 def run_torchrun(script, out, *args):
     """Like run_script, on two processes: returns the rows of the run's metrics.jsonl."""
-    result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(out), *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(out), *args],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_rows(out)
 
@@ -84,10 +87,12 @@ def read_rows(out):
 
 
 def compared(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "policy/first_ratio_dev"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "policy/first_ratio_dev"}
+            for r in rows]
 
 
-LOGPROB_DIFFERENCES = {"objective/kl", "objective/non_score_reward", "objective/rlhf_reward", "policy/kl_term", "policy/approx_kl"}
+LOGPROB_DIFFERENCES = {"objective/kl", "objective/non_score_reward", "objective/rlhf_reward", "policy/kl_term",
+                       "policy/approx_kl"}
 
 
 def assert_rows_agree(got, expected):
@@ -97,7 +102,8 @@ def assert_rows_agree(got, expected):
         logprob_scale = b.get("response/length", 0) * b.get("policy/entropy", 0)  # nats of log-prob per response
         for k in a:
             floor = max(1e-6, 1e-5 * logprob_scale) if k in LOGPROB_DIFFERENCES else 1e-6
-            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=floor), f"iteration {a['iteration']} {k}: {a[k]} on two processes, {b[k]} on one"
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=floor), (
+                f"iteration {a['iteration']} {k}: {a[k]} on two processes, {b[k]} on one")
 
 
 def assert_same_model(got, expected):
@@ -125,8 +131,10 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
     assert 0.45 <= ratio <= 0.55
 
 
-@pytest.mark.parametrize("script,flags", [("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]), ("ppo.py", ["--shared_backbone"]),
-                                          ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"])], ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora"])
+@pytest.mark.parametrize("script,flags", [("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
+                                          ("ppo.py", ["--shared_backbone"]),
+                                          ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"])],
+                         ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora"])
 def test_two_processes_compute_what_one_computes_with_lora_and_a_shared_backbone(script, flags, held_out, tmp_path):
     """The same agreement with adapters (peft's layers inside FSDP2's units, the reference as the policy with its
     adapters off, the merged save gathered from the shards) and with the value head on the policy's sharded trunk."""

@@ -18,8 +18,8 @@ import os
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GemmaConfig, GPT2Config,
-                          GPTNeoXConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GemmaConfig,
+                          GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 import ppo
 from helpers import ROOT, run_script
@@ -34,12 +34,12 @@ FAMILIES = {
     "llama": lambda **kw: LlamaConfig(**DECODER, **TOKENS, **kw),
     "qwen2": lambda **kw: Qwen2Config(**DECODER, **TOKENS, **kw),
     "qwen3": lambda **kw: Qwen3Config(**DECODER, head_dim=8, **TOKENS, **kw),
-    "gpt_neox": lambda **kw: GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                           max_position_embeddings=128, **TOKENS, **kw),
+    "gpt_neox": lambda **kw: GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, max_position_embeddings=128, **TOKENS, **kw),
     "gpt2": lambda **kw: GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **TOKENS, **kw),
     "gemma": lambda **kw: GemmaConfig(**DECODER, head_dim=8, **TOKENS, **kw),
-    "qwen3_moe": lambda **kw: Qwen3MoeConfig(**DECODER, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                                             **TOKENS, **kw),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(**DECODER, head_dim=8, moe_intermediate_size=32, num_experts=4,
+                                             num_experts_per_tok=2, **TOKENS, **kw),
 }
 
 
@@ -66,7 +66,9 @@ def test_sampled_logprobs_equal_teacher_forced(family):
     # rows 0, 2 and 3 end early (after 4, 1 and 7 tokens), the others run to the limit of 10.
     assert EOS == 0
     uniforms[0, 3] = uniforms[2, 0] = uniforms[3, 6] = 0.0
-    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, torch.tensor([EOS]), PAD, uniforms)
+    responses, logprobs_old, response_mask = ppo.generate(
+        policy, prompt_ids, prompt_mask, 10, 0.7, torch.tensor([EOS]), PAD, uniforms
+    )
     assert response_mask.sum(1).tolist() == [4, 10, 1, 7, 10, 10]
     input_ids = torch.cat([prompt_ids, responses], 1)
     attention_mask = torch.cat([prompt_mask, response_mask], 1)
@@ -81,7 +83,8 @@ def test_reward_head_is_padding_invariant(family):
     seq = torch.randint(2, len(TOKENIZER), (7,), generator=torch.Generator().manual_seed(2)).tolist() + [EOS]
     with torch.no_grad():
         alone = ppo.head_outputs(rm, torch.tensor([seq]), torch.ones(1, 8, dtype=torch.long))[0, -1]
-        padded_ids = torch.tensor([[PAD] * 3 + seq + [PAD] * 2])  # left padding as in a prompt batch, right padding as in a response batch
+        # left padding as in a prompt batch, right padding as in a response batch
+        padded_ids = torch.tensor([[PAD] * 3 + seq + [PAD] * 2])
         padded = ppo.head_outputs(rm, padded_ids, (padded_ids != PAD).long())[0, 10]
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
 
@@ -96,23 +99,27 @@ def test_a_reward_model_without_a_tokenizer_reads_the_policys_tokens(family):
 # Two iterations of four responses each, one optimiser step per iteration. All three scripts on the review prompts,
 # scored by the family's reward model: grpo.py's default rule reward would give a random policy 0 on every arithmetic
 # answer, every group zero-signal, and no step to check.
-TINY = ["--total_episodes", "8", "--minibatch_size", "4", "--micro_batch_size", "4", "--response_length", "8", "--eval_every", "0",
-        "--reward_fn", "None", "--dataset", os.path.join(ROOT, "assets", "reviews", "train.jsonl")]
-BATCH = {"ppo.py": ["--rollout_batch_size", "4", "--num_epochs", "1"], "grpo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
+TINY = ["--total_episodes", "8", "--minibatch_size", "4", "--micro_batch_size", "4", "--response_length", "8",
+        "--eval_every", "0", "--reward_fn", "None", "--dataset", os.path.join(ROOT, "assets", "reviews", "train.jsonl")]
+BATCH = {"ppo.py": ["--rollout_batch_size", "4", "--num_epochs", "1"],
+         "grpo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
          "rloo.py": ["--rollout_batch_size", "2", "--num_generations", "2"]}
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
 def test_two_iterations(script, family, tmp_path):
     policy, rm = family
-    rows, _ = run_script(script, tmp_path / "run", *TINY, *BATCH[script], "--model_name_or_path", str(policy), "--reward_model_path", str(rm))
+    rows, _ = run_script(script, tmp_path / "run", *TINY, *BATCH[script], "--model_name_or_path", str(policy),
+                         "--reward_model_path", str(rm))
     assert [r["iteration"] for r in rows] == [1, 2]
     for r in rows:
-        for key in ("objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy") + (("val/loss",) if script == "ppo.py" else ()):
+        for key in (("objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy")
+                    + (("val/loss",) if script == "ppo.py" else ())):
             assert math.isfinite(r[key]), key
         # logprobs_old recorded while sampling equal the training forward (dropout off, where a config has it on)
         assert r["policy/first_ratio_dev"] < 1e-4
-    assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # the reference, loaded apart, is the starting policy
+    # the reference, loaded apart, is the starting policy
+    assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     start = AutoModelForCausalLM.from_pretrained(policy)
     saved, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "run", output_loading_info=True)
     assert type(saved) is type(start) and not any(loading.values())  # no weight missing from the file, none left over

@@ -58,7 +58,9 @@ LENGTHS, T = [1, 3, 2], 4
 
 def ragged():
     mask = (torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]).double()
-    losses = torch.tensor([[2.0, 9, 9, 9], [1.0, 4.0, 7.0, 9], [3.0, 5.0, 9, 9]], dtype=torch.float64, requires_grad=True)  # 9s are padding
+    # 9s are padding
+    losses = torch.tensor([[2.0, 9, 9, 9], [1.0, 4.0, 7.0, 9], [3.0, 5.0, 9, 9]], dtype=torch.float64,
+                          requires_grad=True)
     return losses, mask
 
 
@@ -72,7 +74,8 @@ def test_aggregation_by_hand(aggregation, expected):
     weights = grpo.loss_weights(mask, aggregation, T, num_sequences=3, num_tokens=6)
     assert (losses * weights).sum().item() == pytest.approx(expected, rel=1e-12)
     # Micro-batches that use the minibatch's counts add up to the same loss.
-    halves = sum((losses[s] * grpo.loss_weights(mask[s], aggregation, T, 3, 6)).sum() for s in (slice(0, 1), slice(1, 3)))
+    halves = sum((losses[s] * grpo.loss_weights(mask[s], aggregation, T, 3, 6)).sum()
+                 for s in (slice(0, 1), slice(1, 3)))
     assert halves.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -86,7 +89,8 @@ def test_aggregation_gradient_weights_long_and_short_responses():
     short, long = (0, 0), (1, 0)  # a token of the 1-token response, a token of the 3-token response
     assert grads["token_mean"][short] == grads["token_mean"][long] == pytest.approx(1 / 6)
     assert grads["constant"][short] == grads["constant"][long] == pytest.approx(1 / 12)
-    assert grads["sequence_mean"][long] == pytest.approx(grads["sequence_mean"][short] / 3)  # 3x longer, 3x less per token
+    # 3x longer, 3x less per token
+    assert grads["sequence_mean"][long] == pytest.approx(grads["sequence_mean"][short] / 3)
 
 
 # ---------------------------------------------------------------- the KL term
@@ -94,10 +98,13 @@ def test_aggregation_gradient_weights_long_and_short_responses():
 
 def test_kl_estimators_match_their_formulas():
     g = torch.Generator().manual_seed(0)
-    logp, logp_ref = -torch.rand(50, generator=g, dtype=torch.float64) * 5, -torch.rand(50, generator=g, dtype=torch.float64) * 5
-    for estimator, formula in (("k1", lambda a, b: a - b), ("k2", lambda a, b: 0.5 * (a - b) ** 2), ("k3", lambda a, b: math.exp(b - a) - (b - a) - 1)):
+    logp, logp_ref = (-torch.rand(50, generator=g, dtype=torch.float64) * 5,
+                      -torch.rand(50, generator=g, dtype=torch.float64) * 5)
+    for estimator, formula in (("k1", lambda a, b: a - b), ("k2", lambda a, b: 0.5 * (a - b) ** 2),
+                               ("k3", lambda a, b: math.exp(b - a) - (b - a) - 1)):
         got = grpo.kl_penalty(logp, logp_ref, estimator)
-        assert got.tolist() == pytest.approx([formula(a, b) for a, b in zip(logp.tolist(), logp_ref.tolist())], rel=1e-12, abs=1e-12)
+        assert got.tolist() == pytest.approx([formula(a, b) for a, b in zip(logp.tolist(), logp_ref.tolist())],
+                                             rel=1e-12, abs=1e-12)
     assert (grpo.kl_penalty(logp, logp_ref, "k3") >= 0).all() and (grpo.kl_penalty(logp, logp_ref, "k1") < 0).any()
 
 
@@ -111,7 +118,8 @@ def test_k3_and_k1_are_unbiased_on_samples_from_the_policy():
     logp, logp_ref = p.log()[tokens], q.log()[tokens]
     for estimator in ("k1", "k3"):
         assert grpo.kl_penalty(logp, logp_ref, estimator).mean().item() == pytest.approx(true_kl, rel=0.02)
-    assert grpo.kl_penalty(logp, logp_ref, "k3").var() < grpo.kl_penalty(logp, logp_ref, "k1").var()  # why GRPO takes k3
+    # why GRPO takes k3
+    assert grpo.kl_penalty(logp, logp_ref, "k3").var() < grpo.kl_penalty(logp, logp_ref, "k1").var()
 
 
 # ---------------------------------------------------------------- the clipped surrogate with two epsilons
@@ -151,7 +159,8 @@ def test_kl_coef_zero_loads_no_reference():
 
 @pytest.mark.parametrize("kw,message", [
     (dict(num_generations=1), "--num_generations must be at least 2"),
-    (dict(rollout_batch_size=4, num_generations=6, minibatch_size=16), "does not divide the 24 responses per iteration"),
+    (dict(rollout_batch_size=4, num_generations=6, minibatch_size=16),
+     "does not divide the 24 responses per iteration"),
     (dict(clip_range_high=0.0), "--clip_range_high must be positive"),
     (dict(kl_coef=-1.0), "--kl_coef must be zero or more"),
 ])
@@ -162,25 +171,29 @@ def test_bad_arguments(kw, message, tmp_path):
 
 def run_grpo(tmp_path, *extra):
     out = tmp_path / "run"
-    rows, _ = run_script("grpo.py", out, "--total_episodes", "64", "--rollout_batch_size", "4", "--num_generations", "8",
-                         "--minibatch_size", "16", "--micro_batch_size", "8", *extra)
+    rows, _ = run_script("grpo.py", out, "--total_episodes", "64", "--rollout_batch_size", "4",
+                         "--num_generations", "8", "--minibatch_size", "16", "--micro_batch_size", "8", *extra)
     return out, rows
 
 
 def moved(out):
-    trained, start = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
+    trained, start = (AutoModelForCausalLM.from_pretrained(out),
+                      AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")))
     return sum((a - b).abs().sum().item() for a, b in zip(trained.parameters(), start.parameters()))
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
     out, rows = run_grpo(tmp_path)
     assert [r["iteration"] for r in rows] == [0, 1, 2]
-    assert 0.0 <= rows[0]["eval/score"] <= 1.0 and rows[0]["eval/score_greedy"] > rows[0]["eval/score"]  # SFT: greedy beats sampling
+    # SFT: greedy beats sampling
+    assert 0.0 <= rows[0]["eval/score"] <= 1.0 and rows[0]["eval/score_greedy"] > rows[0]["eval/score"]
     for r in rows[1:]:
-        for key in ("objective/score", "objective/accuracy", "objective/kl", "objective/group_reward_std", "adv/zero_signal_fraction",
-                    "policy/entropy", "policy/clipfrac", "policy/kl_term", "response/length", "grad_norm/policy"):
+        for key in ("objective/score", "objective/accuracy", "objective/kl", "objective/group_reward_std",
+                    "adv/zero_signal_fraction", "policy/entropy", "policy/clipfrac", "policy/kl_term",
+                    "response/length", "grad_norm/policy"):
             assert math.isfinite(r[key]), key
-        assert r["objective/score"] == r["objective/accuracy"]  # the rule alone: the score is the exact-match accuracy
+        # the rule alone: the score is the exact-match accuracy
+        assert r["objective/score"] == r["objective/accuracy"]
         assert r["policy/first_ratio_dev"] < 1e-4  # logprobs_old recorded while sampling
         assert not any(k.startswith("val/") for k in r)  # no critic
     assert rows[1]["objective/kl"] == pytest.approx(0.0, abs=1e-4)

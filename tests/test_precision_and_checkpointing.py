@@ -15,7 +15,8 @@ POLICY = os.path.join(ROOT, "assets", "tiny-sft")
 
 
 def batch():
-    input_ids, attention_mask = ppo.left_pad([[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1, "cpu")
+    input_ids, attention_mask = ppo.left_pad([[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1,
+                                             "cpu")
     return input_ids, attention_mask
 
 
@@ -23,7 +24,8 @@ def loss_and_block_calls(model):
     """The gradient of a log-prob loss, and how often the first block's MLP ran for one forward and backward."""
     calls, mlp = [], model.model.layers[0].mlp
     forward = mlp.forward
-    mlp.forward = lambda x: calls.append(1) or forward(x)  # counted even in the backward's recompute, which runs no hooks
+    # counted even in the backward's recompute, which runs no hooks
+    mlp.forward = lambda x: calls.append(1) or forward(x)
     input_ids, attention_mask = batch()
     logprobs = ppo.response_logprobs(model, input_ids, attention_mask, 3, 0.7)
     (-(logprobs * attention_mask[:, 3:]).sum()).backward()
@@ -33,13 +35,16 @@ def loss_and_block_calls(model):
 
 def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient():
     plain = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(), "cpu", trained=True)
-    checkpointed = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(gradient_checkpointing=True), "cpu", trained=True)
+    checkpointed = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(gradient_checkpointing=True), "cpu",
+                                  trained=True)
     grads, plain_calls = loss_and_block_calls(plain)
     grads_checkpointed, checkpointed_calls = loss_and_block_calls(checkpointed)
     assert (plain_calls, checkpointed_calls) == (1, 2)  # the block ran again in the backward pass
     for name in grads:
         torch.testing.assert_close(grads_checkpointed[name], grads[name], atol=1e-6, rtol=1e-5, msg=name)
-    assert not any(m.training for m in checkpointed.modules() if type(m).__name__ not in checkpointed._no_split_modules)  # no dropout anywhere
+    # no dropout anywhere
+    assert not any(m.training for m in checkpointed.modules()
+                   if type(m).__name__ not in checkpointed._no_split_modules)
 
 
 def test_mixed_precision_computes_in_bf16_over_float32_weights():
@@ -48,9 +53,11 @@ def test_mixed_precision_computes_in_bf16_over_float32_weights():
     frozen = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=False)
     plain = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(), "cpu", trained=True)
     input_ids, attention_mask = batch()
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)).logits
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=ppo.position_ids_from(attention_mask)).logits
     assert logits.dtype == torch.bfloat16
-    assert all(p.dtype == torch.float32 for p in policy.parameters()) and all(p.dtype == torch.bfloat16 for p in frozen.parameters())
+    assert (all(p.dtype == torch.float32 for p in policy.parameters())
+            and all(p.dtype == torch.bfloat16 for p in frozen.parameters()))
     grads, _ = loss_and_block_calls(policy)
     assert all(g.dtype == torch.float32 for g in grads.values())
     # bf16 keeps 8 bits of mantissa (0.4%): the log-probs are float32's to about 1%, and not bitwise (bf16 did run)
@@ -67,16 +74,20 @@ def test_mixed_precision_refuses_bf16_master_weights():
 
 
 ONE_ITERATION = {
-    "ppo.py": ["--total_episodes", "8", "--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "4", "--num_epochs", "1"],
-    "grpo.py": ["--total_episodes", "8", "--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8", "--micro_batch_size", "4"],
-    "rloo.py": ["--total_episodes", "8", "--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8", "--micro_batch_size", "4"],
+    "ppo.py": ["--total_episodes", "8", "--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "4",
+               "--num_epochs", "1"],
+    "grpo.py": ["--total_episodes", "8", "--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8",
+                "--micro_batch_size", "4"],
+    "rloo.py": ["--total_episodes", "8", "--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8",
+                "--micro_batch_size", "4"],
 }
 
 
 @pytest.mark.parametrize("option", ["--gradient_checkpointing", "--mixed_precision"])
 @pytest.mark.parametrize("script", list(ONE_ITERATION))
 def test_one_iteration_with_the_option(script, option, tmp_path):
-    rows, _ = run_script(script, tmp_path, option, *ONE_ITERATION[script], "--response_length", "8", "--eval_every", "0")
+    rows, _ = run_script(script, tmp_path, option, *ONE_ITERATION[script], "--response_length", "8",
+                         "--eval_every", "0")
     assert [r["iteration"] for r in rows] == [1]
     assert all(torch.isfinite(torch.tensor(v)) for k, v in rows[0].items() if k.startswith(("policy/", "objective/")))
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path))

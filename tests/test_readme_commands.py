@@ -1,8 +1,8 @@
-"""The README's commands must work as written: every `python X.py ...` or `torchrun ... X.py ...` line of its bash blocks
-is parsed by that script's own Args (tyro, as the script does), so a renamed or removed flag fails here, and a complete
-command then passes the script's own argument checks (batch sizes that divide, over torchrun's number of processes).
-Lines with placeholders (<...>, ...) are parsed up to the placeholder only. The hub models they name are not loaded
-(no hub here): the model-path check is the one check left out."""
+"""The README's commands must work as written: every `python X.py ...` or `torchrun ... X.py ...` line of its bash
+blocks is parsed by that script's own Args (tyro, as the script does), so a renamed or removed flag fails here, and a
+complete command then passes the script's own argument checks (batch sizes that divide, over torchrun's number of
+processes). Lines with placeholders (<...>, ...) are parsed up to the placeholder only. The hub models they name are
+not loaded (no hub here): the model-path check is the one check left out."""
 import importlib
 import os
 import re

@@ -23,7 +23,8 @@ def test_leave_one_out_matches_plain_loop(k):
     assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
     # the identity: r_i - mean of the others = k / (k - 1) * (r_i - mean of the group)
     grouped = rewards.view(-1, k)
-    assert got.tolist() == pytest.approx((k / (k - 1) * (grouped - grouped.mean(1, keepdim=True))).reshape(-1).tolist(), rel=1e-12, abs=1e-12)
+    assert got.tolist() == pytest.approx((k / (k - 1) * (grouped - grouped.mean(1, keepdim=True))).reshape(-1).tolist(),
+                                         rel=1e-12, abs=1e-12)
 
 
 def test_kl_shaped_rewards_by_hand():
@@ -61,17 +62,20 @@ def test_bad_arguments(tmp_path):
 
 
 def run_rloo(tmp_path, *extra):
-    return run_script("rloo.py", tmp_path / "run", "--total_episodes", "32", "--rollout_batch_size", "4", "--num_generations", "4",
-                      "--minibatch_size", "16", "--micro_batch_size", "8", "--response_length", "8", *extra)[0]
+    return run_script("rloo.py", tmp_path / "run", "--total_episodes", "32", "--rollout_batch_size", "4",
+                      "--num_generations", "4", "--minibatch_size", "16", "--micro_batch_size", "8",
+                      "--response_length", "8", *extra)[0]
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
     rows = run_rloo(tmp_path)
     assert [r["iteration"] for r in rows] == [0, 1, 2] and "eval/score" in rows[0] and "eval/score" in rows[2]
     for r in rows[1:]:
-        for key in ("objective/score", "objective/score_normalized", "objective/kl", "objective/rlhf_reward", "policy/entropy", "grad_norm/policy"):
+        for key in ("objective/score", "objective/score_normalized", "objective/kl", "objective/rlhf_reward",
+                    "policy/entropy", "grad_norm/policy"):
             assert math.isfinite(r[key]), key
-        assert r["policy/first_ratio_dev"] < 1e-4 and r["policy/clipfrac"] == 0.0  # one update per rollout: the ratio is 1
+        # one update per rollout: the ratio is 1
+        assert r["policy/first_ratio_dev"] < 1e-4 and r["policy/clipfrac"] == 0.0
         assert not any(k.startswith("val/") for k in r)
     assert rows[1]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
 

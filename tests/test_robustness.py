@@ -31,9 +31,12 @@ MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
 # Six iterations each, in seconds on two cores. PPO also evaluates, on a small held-out set (its own generator
 # must not disturb the run's).
 TINY = {
-    "ppo.py": dict(total_episodes=48, rollout_batch_size=8, minibatch_size=4, micro_batch_size=4, num_epochs=2, response_length=8, eval_every=3),
-    "grpo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8, response_length=8, eval_every=0),
-    "rloo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8, response_length=8, eval_every=0),
+    "ppo.py": dict(total_episodes=48, rollout_batch_size=8, minibatch_size=4, micro_batch_size=4, num_epochs=2,
+                   response_length=8, eval_every=3),
+    "grpo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8,
+                    response_length=8, eval_every=0),
+    "rloo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8,
+                    response_length=8, eval_every=0),
 }
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
@@ -51,7 +54,8 @@ def read_rows(out):
 
 
 def checkpointed(checkpoint):
-    """A checkpoint's trained models and optimiser states, {name: {"model": ..., "optimizer": ...}}, read into one process."""
+    """A checkpoint's trained models and optimiser states, {name: {"model": ..., "optimizer": ...}}, read into one
+    process."""
     flat = str(checkpoint) + ".pt"
     dcp_to_torch_save(checkpoint, flat)
     return torch.load(flat)
@@ -114,14 +118,16 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("script,stop", [("ppo.py", signal.SIGTERM), ("grpo.py", signal.SIGINT), ("rloo.py", signal.SIGTERM)])
+@pytest.mark.parametrize("script,stop",
+                         [("ppo.py", signal.SIGTERM), ("grpo.py", signal.SIGINT), ("rloo.py", signal.SIGTERM)])
 def test_a_stopped_and_resumed_run_is_the_same_run(script, stop, tmp_path, uninterrupted):
     """SIGTERM (a cluster's pre-emption) or Ctrl-C (SIGINT), then the command the run printed."""
     _, full_rows, full_state = uninterrupted(script)
     out = tmp_path / "run"
     proc = launch(script, out, cli(script, save_every=3))
     first_rows = 2 if TINY[script]["eval_every"] else 1  # the held-out row 0, then iteration 1
-    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= first_rows, proc)
+    wait_for(lambda: os.path.exists(out / "metrics.jsonl")
+             and len(open(out / "metrics.jsonl").readlines()) >= first_rows, proc)
     # Frozen while signalled, so that it cannot finish first: it stops inside iteration 2 (or 3), either before
     # its update (the rollout is dropped and iteration 1's state saved) or after it.
     for s in (signal.SIGSTOP, stop, signal.SIGCONT):
@@ -144,10 +150,12 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     SIGTERM on to both, and the command they print resumes the run."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     args = [os.path.join(ROOT, "rloo.py"), *cli("rloo.py", save_every=3, micro_batch_size=4)]  # 4 responses per process
-    full = subprocess.run([*torchrun, *args, "--output_dir", str(tmp_path / "full")], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    full = subprocess.run([*torchrun, *args, "--output_dir", str(tmp_path / "full")], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]
     out = tmp_path / "run"
-    proc = subprocess.Popen([*torchrun, *args, "--output_dir", str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([*torchrun, *args, "--output_dir", str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     printed = proc.communicate(timeout=240)[0]
@@ -155,7 +163,8 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
     assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
     checkpoint = argv[argv.index("--resume") + 1]
-    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json", "metrics.jsonl", "state.json"]
+    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json", "metrics.jsonl",
+                                              "state.json"]
     result = subprocess.run([*torchrun, *argv[2:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == without_timing(read_rows(tmp_path / "full"))
@@ -186,7 +195,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     proc.send_signal(signal.SIGTERM)  # ...the second ends the run at once, mid-save
     printed = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
-    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "args.json", "metrics.jsonl", "state.json"]
+    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "args.json", "metrics.jsonl",
+                                                        "state.json"]
     assert (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
     rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
     assert f"resuming from {out / 'checkpoint-1'}" in printed
@@ -219,15 +229,18 @@ def keep_signal_handlers():
 def args_for(script, out, **kw):
     paths = dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft"))
     if script != "grpo.py":  # grpo's default is the arithmetic rule; the others use the reward model
-        paths.update(reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),), dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"))
+        paths.update(reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
+                     dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"))
     else:
         paths.update(dataset=os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"))
     # one optimiser step per iteration: the whole rollout is one minibatch and one micro-batch
-    one_step = dict(minibatch_size=8, micro_batch_size=8, num_epochs=1, rollout_batch_size=8 if script == "ppo.py" else 2)
+    one_step = dict(minibatch_size=8, micro_batch_size=8, num_epochs=1,
+                    rollout_batch_size=8 if script == "ppo.py" else 2)
     return MODULES[script].Args(**{**TINY[script], **one_step, "eval_every": 0, **paths, "output_dir": str(out), **kw})
 
 
-# A function of each script that every training forward goes through once (rloo.py's REINFORCE loss skips the clipped one).
+# A function of each script that every training forward goes through once (rloo.py's REINFORCE loss skips the clipped
+# one).
 LOSS_FUNCTION = {"ppo.py": "policy_loss", "grpo.py": "policy_loss", "rloo.py": "loss_weights"}
 
 
@@ -254,7 +267,8 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(script, tmp_path, monk
     # iteration 2's step was skipped: its weights and optimiser states are those after iteration 1
     assert_bitwise_equal(states[1], states[0])
     # and the run went on: iteration 3 stepped
-    assert not torch.equal(states[2]["policy"]["model"]["model.norm.weight"], states[1]["policy"]["model"]["model.norm.weight"])
+    assert not torch.equal(states[2]["policy"]["model"]["model.norm.weight"],
+                           states[1]["policy"]["model"]["model.norm.weight"])
     rows = read_rows(tmp_path)
     assert [r["health/skipped_steps"] for r in rows] == [0, 1, 1]
     assert "iteration 2: a non-finite loss or gradient" in capsys.readouterr().out
@@ -262,7 +276,8 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(script, tmp_path, monk
 
 def test_max_bad_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, keep_signal_handlers):
     poison_the_loss(monkeypatch, "ppo.py", bad_calls={2, 3, 4})
-    with pytest.raises(SystemExit, match=r"2 optimiser steps in a row had a non-finite loss or gradient \(iteration 3\).*learning rate"):
+    with pytest.raises(SystemExit, match=r"2 optimiser steps in a row had a non-finite loss or gradient "
+                                         r"\(iteration 3\).*learning rate"):
         ppo.main(args_for("ppo.py", tmp_path, total_episodes=48, max_bad_steps=2))
 
 
@@ -282,15 +297,17 @@ def scored(fn, on_reward_error="stop", penalty=1.0):
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
-    return ppo.score_responses([], fn, tokenizer, torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1),
-                               responses, response_mask, [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])], args)
+    return ppo.score_responses([], fn, tokenizer, torch.cat([prompt_ids, responses], 1),
+                               torch.cat([prompt_mask, response_mask], 1), responses, response_mask,
+                               [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])], args)
 
 
 def test_a_failing_reward_function_is_pinned_on_its_response():
     def fails_on_words(texts, answers):
         return [float(int(t) == int(a)) for t, a in zip(texts, answers)]  # int("nine") raises
 
-    with pytest.raises(SystemExit, match=r"the response 'nine' to the prompt 'what is 4\+4\?' is an error \(ValueError: invalid literal.*--on_reward_error penalty"):
+    with pytest.raises(SystemExit, match=r"the response 'nine' to the prompt 'what is 4\+4\?' is an error "
+                                         r"\(ValueError: invalid literal.*--on_reward_error penalty"):
         scored(fails_on_words)
     # with the penalty it scores --missing_eos_penalty below the lowest valid score of the batch: min(1, 1, 1) - 0.5
     score, rule_scores, texts, errors = scored(fails_on_words, "penalty", penalty=0.5)
@@ -306,11 +323,14 @@ def test_a_non_finite_score_is_named():
 
 
 def test_a_wrong_number_of_scores_is_named():
-    with pytest.raises(SystemExit, match=r"the response 'nine' .* is an error \(ValueError: not enough values to unpack \(expected 1, got 0\)\)"):
+    with pytest.raises(SystemExit, match=r"the response 'nine' .* is an error "
+                                         r"\(ValueError: not enough values to unpack \(expected 1, got 0\)\)"):
         scored(lambda texts, answers: [1.0 for t in texts if t != "nine"])  # drops a response
-    with pytest.raises(SystemExit, match="fails on the whole batch but on no single response; it must return one score per response"):
+    with pytest.raises(SystemExit, match="fails on the whole batch but on no single response; "
+                                         "it must return one score per response"):
         scored(lambda texts, answers: [1.0] * min(len(texts), 3))
-    with pytest.raises(SystemExit, match="the response '5' .* is not a finite number"):  # every response failed: no batch minimum
+    # every response failed: no batch minimum
+    with pytest.raises(SystemExit, match="the response '5' .* is not a finite number"):
         scored(lambda texts, answers: [float("nan")] * len(texts), "penalty")
 
 
@@ -347,9 +367,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     opens.write_text("import socket\nsocket.socket().close()\n")
     subprocess.run([sys.executable, str(prelude), str(opens)], check=True)
     assert "socket.__new__" in log.read_text()  # the watch sees a socket when there is one
-    env = {k: v for k, v in ENV.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}  # not even told to stay offline
-    result = subprocess.run([sys.executable, str(prelude), os.path.join(ROOT, "ppo.py"), "--output_dir", str(tmp_path / "run"),
-                             *cli("ppo.py", total_episodes=16, eval_every=1)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    # not even told to stay offline
+    env = {k: v for k, v in ENV.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
+    result = subprocess.run([sys.executable, str(prelude), os.path.join(ROOT, "ppo.py"),
+                             "--output_dir", str(tmp_path / "run"), *cli("ppo.py", total_episodes=16, eval_every=1)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert log.read_text() == ""
 
@@ -359,12 +381,14 @@ def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
     env.pop("WANDB_MODE")
     start = time.time()
     result = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--output_dir", str(tmp_path), "--track",
-                             *cli("rloo.py", total_episodes=8), "--log_samples_every", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                             *cli("rloo.py", total_episodes=8), "--log_samples_every", "1"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb: 127.0.0.1 cannot be reached; logging offline" in result.stdout
     assert time.time() - start < 120
     (run,) = [tmp_path / "wandb" / n for n in os.listdir(tmp_path / "wandb") if n.startswith("offline-run-")]
-    # what a later `wandb sync` uploads: the code, the sample tables, and (in the run's record) the config and the metrics
+    # what a later `wandb sync` uploads: the code, the sample tables, and (in the run's record) the config and the
+    # metrics
     assert (run / "files" / "code" / "rloo.py").read_text() == open(os.path.join(ROOT, "rloo.py")).read()
     tables = os.listdir(run / "files" / "media" / "table")
     assert any(t.startswith("samples_") for t in tables)
@@ -397,12 +421,14 @@ COMMON_BAD = [
 ]
 GROUP_BAD = [
     (dict(num_generations=1), "--num_generations must be at least 2"),
-    (dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2), "--rollout_batch_size 3 \\(prompts, each process sampling whole groups\\)"),
+    (dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2),
+     "--rollout_batch_size 3 \\(prompts, each process sampling whole groups\\)"),
 ]
 
 
 @pytest.mark.parametrize("script", list(MODULES))
-@pytest.mark.parametrize("kw,message", COMMON_BAD + GROUP_BAD, ids=lambda x: str(x)[:40] if isinstance(x, dict) else None)
+@pytest.mark.parametrize("kw,message", COMMON_BAD + GROUP_BAD,
+                         ids=lambda x: str(x)[:40] if isinstance(x, dict) else None)
 def test_bad_arguments_fail_with_one_sentence_in_every_script(script, kw, message, tmp_path):
     if "num_generations" in kw and script == "ppo.py":
         pytest.skip("ppo.py has no groups")
@@ -414,7 +440,8 @@ def test_bad_arguments_fail_with_one_sentence_in_every_script(script, kw, messag
 def test_a_rule_reward_needs_answers(script, tmp_path):
     args = args_for(script, tmp_path, reward_fn="arithmetic")
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    with pytest.raises(SystemExit, match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"):
+    with pytest.raises(SystemExit,
+                       match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"):
         MODULES[script].load_prompts(os.path.join(ROOT, "assets", "reviews", "train.jsonl"), "train", args, tokenizer)
 
 
@@ -422,8 +449,10 @@ def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted):
     out, _, _ = uninterrupted("grpo.py")
     checkpoint = str(out / "checkpoint-6")
     with pytest.raises(SystemExit, match="was made with other values of --response_length, --learning_rate"):
-        grpo.validate(grpo.Args(**{**TINY["grpo.py"], "output_dir": str(tmp_path), "resume": checkpoint, "learning_rate": 1e-3, "response_length": 9}))
-    args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})  # more episodes: allowed
+        grpo.validate(grpo.Args(**{**TINY["grpo.py"], "output_dir": str(tmp_path), "resume": checkpoint,
+                                   "learning_rate": 1e-3, "response_length": 9}))
+    # more episodes: allowed
+    args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})
     grpo.validate(args)
     assert args.resume == checkpoint
 
@@ -440,9 +469,11 @@ def test_a_terminal_gets_a_live_progress_bar_and_a_log_file_only_lines(script, t
     for where, stderr in (("terminal", Terminal()), ("file", io.StringIO())):
         monkeypatch.setattr(sys, "stderr", stderr)
         MODULES[script].main(args_for(script, tmp_path / where, total_episodes=24))
-        assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")] == ["1/3", "2/3", "3/3"]
+        assert [line.split()[1] for line in capsys.readouterr().out.splitlines()
+                if line.startswith("iter ")] == ["1/3", "2/3", "3/3"]
         bar = stderr.getvalue()
         if where == "terminal":
-            assert "3/3" in bar and "score=" in bar and "kl=" in bar and "<00:00" in bar  # done, with the objective and the time left
+            # done, with the objective and the time left
+            assert "3/3" in bar and "score=" in bar and "kl=" in bar and "<00:00" in bar
         else:
             assert "3/3" not in bar

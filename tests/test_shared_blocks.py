@@ -1,22 +1,36 @@
 """The blocks marked `# >>> shared: NAME` ... `# <<< shared: NAME` are one piece of code copied into each
-algorithm file that uses it (each file must stand alone). Every copy must read exactly like the others."""
+algorithm file that uses it (each file must stand alone). Every copy must read exactly like the others, and each
+file keeps one order: the algorithm above main's banner, the identical plumbing below it.
+
+`python tests/test_shared_blocks.py --sync` copies every block of ppo.py (the first file that holds it) over the
+other files' copies: change a shared piece once in ppo.py, then sync."""
+import ast
 import difflib
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["ppo.py", "grpo.py", "rloo.py"]
-# Blocks every algorithm file holds: the arguments, data, generation, scoring, checks, alarms, checkpoints, dashboard and saving.
-EVERYWHERE = {"arguments", "batch statistics", "scores", "models and data", "checks and alarms", "checkpoints, stop signals and bad steps", "set-up",
-              "outputs and the starting policy's held-out score", "prompts", "generate and score", "dashboard", "evaluate, alarms, log and save"}
+# The algorithm's side of the banner: the arguments, the math and the forward passes, and main's inline steps.
+ALGORITHM = {"arguments", "batch statistics", "clipped surrogate", "forward passes", "set-up",
+             "outputs and the starting policy's held-out score", "generate and score", "dashboard",
+             "evaluate, alarms, log and save"}
+# The plumbing, below the banner: loading, data, FSDP2, rewards, checks, checkpoints, logging.
+PLUMBING = {"processes and the task", "loading", "FSDP2", "data", "rewards and evaluation", "checks and alarms",
+            "checkpoints, stop signals and bad steps", "dashboard and log"}
+BANNER = "# Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py"
+MAX_LINE = 120
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
 
-def shared_blocks(text, name="file"):
-    """{block name: its lines between the markers}; the markers must open and close in pairs, once per name."""
-    blocks, open_name, lines = {}, None, []
+def shared_blocks(text, name="file", lines_too=False):
+    """{block name: its lines between the markers} (with lines_too, also {block name: its opening line number});
+    the markers must open and close in pairs, once per name."""
+    blocks, starts, open_name, lines = {}, {}, None, []
     for number, line in enumerate(text.splitlines(), 1):
         mark = MARK.match(line)
         if not mark:
@@ -27,12 +41,12 @@ def shared_blocks(text, name="file"):
         if kind == ">>>":
             assert open_name is None, f"{name}:{number}: '{block}' opens inside '{open_name}'"
             assert block not in blocks, f"{name}:{number}: a second block named '{block}'"
-            open_name, lines = block, []
+            open_name, lines, starts[block] = block, [], number
         else:
             assert block == open_name, f"{name}:{number}: '{block}' closes, but '{open_name}' is open"
             blocks[block], open_name = "\n".join(lines), None
     assert open_name is None, f"{name}: '{open_name}' is never closed"
-    return blocks
+    return (blocks, starts) if lines_too else blocks
 
 
 def drifted(files):
@@ -46,25 +60,89 @@ def drifted(files):
         (first, reference), *others = copies
         for path, body in others:
             if body != reference:
-                diffs.append("".join(difflib.unified_diff(reference.splitlines(True), body.splitlines(True), f"{first}: {block}", f"{path}: {block}")))
+                diffs.append("".join(difflib.unified_diff(reference.splitlines(True), body.splitlines(True),
+                                                          f"{first}: {block}", f"{path}: {block}")))
     return diffs
+
+
+def synced(files):
+    """The files with every block's body replaced by that of the first file holding it."""
+    source = {}
+    for path, text in files.items():
+        for block, body in shared_blocks(text, path).items():
+            source.setdefault(block, body)
+    result = {}
+    for path, text in files.items():
+        out, inside = [], False
+        for line in text.splitlines():
+            mark = MARK.match(line)
+            if mark and mark.group(1) == ">>>":
+                out.append(line)
+                out.extend(source[mark.group(2)].splitlines())
+                inside = True
+            elif mark:
+                out.append(line)
+                inside = False
+            elif not inside:
+                out.append(line)
+        result[path] = "\n".join(out) + "\n"
+    return result
 
 
 def present():
     return {f: open(os.path.join(ROOT, f)).read() for f in FILES if os.path.exists(os.path.join(ROOT, f))}
 
 
+def banner_line(text):
+    return next(n for n, line in enumerate(text.splitlines(), 1) if line.startswith(BANNER))
+
+
 def test_every_file_holds_every_common_block():
     files = present()
-    assert "ppo.py" in files and "grpo.py" in files
+    assert set(files) == set(FILES)
     for path, text in files.items():
-        missing = EVERYWHERE - set(shared_blocks(text, path))
+        missing = (ALGORITHM | PLUMBING) - set(shared_blocks(text, path))
         assert not missing, f"{path} lacks the shared blocks {sorted(missing)}"
 
 
 def test_copies_have_not_drifted():
     diffs = drifted(present())
     assert not diffs, "shared blocks differ between files; change every copy the same way:\n" + "\n".join(diffs)
+
+
+def test_algorithm_above_the_banner_plumbing_below():
+    """A reader who stops at the banner has read the whole algorithm: main and every function or class that is not
+    shared plumbing stand above it; every plumbing block stands below it, and nothing below it is unshared."""
+    for path, text in present().items():
+        banner = banner_line(text)
+        blocks, starts = shared_blocks(text, path, lines_too=True)
+        for block, start in starts.items():
+            if block in PLUMBING:
+                assert start > banner, f"{path}: the plumbing block '{block}' (line {start}) is above the banner"
+            else:
+                assert start < banner, f"{path}: the block '{block}' (line {start}) is below the banner"
+        plumbing_names = {node.name for block in PLUMBING for node in ast.parse(blocks[block]).body
+                          if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                above = node.lineno < banner
+                assert above != (node.name in plumbing_names), \
+                    f"{path}: {node.name} (line {node.lineno}) is on the wrong side of the banner"
+        main = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "iteration")
+        budget = 700 if path == "ppo.py" else 600  # the reading path: from the first line to the end of main
+        assert main.end_lineno <= budget, f"{path}: main ends at line {main.end_lineno}, past {budget}"
+        assert loop.lineno < 600, f"{path}: the loop starts at line {loop.lineno}"
+        assert main.end_lineno - main.lineno + 1 <= 150, f"{path}: main is {main.end_lineno - main.lineno + 1} lines"
+
+
+def test_lines_are_at_most_120_characters():
+    """A side-by-side diff of two scripts stays readable; so does every other Python file of the project."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    paths = tracked or [f for f in FILES]
+    long = [f"{path}:{n} ({len(line)})" for path in paths if os.path.exists(os.path.join(ROOT, path))
+            for n, line in enumerate(open(os.path.join(ROOT, path)).read().splitlines(), 1) if len(line) > MAX_LINE]
+    assert not long, f"lines over {MAX_LINE} characters: {', '.join(long)}"
 
 
 def test_drift_and_bad_markers_are_caught():
@@ -76,3 +154,19 @@ def test_drift_and_bad_markers_are_caught():
         shared_blocks("# >>> shared: one\nx = 1\n")
     with pytest.raises(AssertionError, match="closes, but"):
         shared_blocks("# >>> shared: one\nx = 1\n# <<< shared: two\n")
+
+
+def test_sync_copies_the_first_file_over_the_others():
+    a = "x = 1\n# >>> shared: one\ndef f():\n    return 1\n# <<< shared: one\ny = 2\n"
+    b = "z = 3\n# >>> shared: one\ndef f():\n    return 2\n    # extra\n# <<< shared: one\n"
+    out = synced({"a.py": a, "b.py": b})
+    assert out["a.py"] == a
+    assert out["b.py"] == "z = 3\n# >>> shared: one\ndef f():\n    return 1\n# <<< shared: one\n"
+    assert drifted(out) == []
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--sync"]:
+    for path, text in synced(present()).items():
+        with open(os.path.join(ROOT, path), "w") as f:
+            f.write(text)
+    print("copied every shared block of", " -> ".join(FILES))
