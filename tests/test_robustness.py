@@ -448,7 +448,7 @@ def test_a_rule_reward_needs_answers(script, tmp_path):
 def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted):
     out, _, _ = uninterrupted("grpo.py")
     checkpoint = str(out / "checkpoint-6")
-    with pytest.raises(SystemExit, match="was made with other values of --response_length, --learning_rate"):
+    with pytest.raises(SystemExit, match="was made with other values of --learning_rate, --response_length"):
         grpo.validate(grpo.Args(**{**TINY["grpo.py"], "output_dir": str(tmp_path), "resume": checkpoint,
                                    "learning_rate": 1e-3, "response_length": 9}))
     # more episodes: allowed
