@@ -29,6 +29,7 @@ Commands:
   torchrun --nproc_per_node=8 ppo.py --args ...     # one process per GPU, every model sharded (FSDP2)
 """
 
+import functools
 import json
 import os
 import re
@@ -55,6 +56,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
                           GenerationConfig)
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import logging as hf_logging
 
 from rlhf_kernels import token_logprobs
 from tqdm import tqdm
@@ -147,8 +149,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; the log-probs of training and KL use the same temperature"""
     missing_eos_penalty: float = 1.0
-    """subtracted from the score (after any normalisation) of a response that ends without EOS (or the chat
-    template's end of turn)"""
+    """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     max_grad_norm: float = 1.0
     """gradient-norm clip, per trained model"""
     ent_coef: float = 0.0
@@ -188,19 +189,16 @@ class Args:
     max_bad_steps: int = 3
     """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
     on_reward_error: Literal["stop", "penalty"] = "stop"
-    """a reward that raises or is not a finite number: stop, or score it --missing_eos_penalty below the batch
-    minimum"""
+    """a reward that raises or is not finite: stop, or score it --missing_eos_penalty below the batch minimum"""
 
     # precision and memory
     mixed_precision: bool = False
     """bf16 compute over fp32 master weights and Adam states (FSDP2's mixed precision under torchrun, autocast in
     one process); frozen models in bf16"""
     gradient_checkpointing: bool = False
-    """recompute each transformer block's activations in the backward pass instead of keeping them (less memory,
-    about 1/3 more compute)"""
+    """recompute each block's activations in the backward pass, not keeping them (less memory, 1/3 more compute)"""
     replicate_frozen: bool = False
-    """under torchrun: a whole copy of the frozen models (reference, reward models) on every process, instead of
-    sharding them"""
+    """under torchrun: a whole copy of the frozen models (reference, reward models) on every process, not shards"""
 
     # LoRA
     lora_r: int = 0
@@ -209,11 +207,9 @@ class Args:
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
     lora_dropout: float = 0.0
-    """dropout on the adapters' input in the training forward only (sampling, the reference and evaluation run
-    without it)"""
+    """dropout on the adapters' input, in the training forward only (not sampling, the reference or evaluation)"""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
-    """the layers that get adapters (names such as q_proj v_proj, or all-linear: every linear layer but the output
-    head)"""
+    """the layers that get adapters: names such as q_proj v_proj, or all-linear (every linear layer but the head)"""
     save_adapters_only: bool = False
     """with LoRA: save only the adapters (peft's format) instead of the base with the adapters merged in"""
     # <<< shared: arguments
@@ -361,11 +357,15 @@ def position_ids_from(attention_mask):
 
 
 def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
-    """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:]."""
+    """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
+    0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
+    an exp of it in a KL estimate or a ratio would turn the masked sum into inf * 0 = nan. Masked before any exp."""
     positions = position_ids_from(attention_mask)
     logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
     logits = logits[:, prompt_length - 1 : -1]  # (B, T, V): position t predicts token t+1
-    return token_logprobs(logits, input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
+    out = token_logprobs(logits, input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
+    valid = attention_mask[:, prompt_length:].bool()  # (B, T)
+    return tuple(torch.where(valid, x, 0.0) for x in out) if return_entropy else torch.where(valid, out, 0.0)
 
 
 def in_chunks(forward, size, input_ids, attention_mask):
@@ -490,8 +490,8 @@ def validate(args):
     require(args, ("gamma", "lam"), "must lie in [0, 1]", lambda v: 0 <= v <= 1)
     if args.value_model_path is None:
         args.value_model_path = args.reward_model_path[0] if args.reward_model_path else args.model_name_or_path
+    check_common_args(args, responses_per_iteration=args.rollout_batch_size)  # the policy and the reward models
     check_model_path(args.value_model_path, "any", "--value_model_path")
-    check_common_args(args, responses_per_iteration=args.rollout_batch_size)
 
 
 # What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
@@ -644,9 +644,7 @@ def main(args):
     # <<< shared: evaluate, alarms, log and save
 
 
-# ======================================================================================================================
-# Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above.
-# ======================================================================================================================
+# ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above ========
 
 
 # >>> shared: processes and the task
@@ -655,12 +653,26 @@ def start_processes(args):
     needs none of it. Sets args.world_size; returns this process's rank and device."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    hf_logging.disable_progress_bar()  # transformers' loading and saving bars; the run's own bar stays
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
     return rank, device
+
+
+def exit_once(main, args):
+    """Run main(args). A message that stops the run (a SystemExit with a sentence) is printed once, by rank 0, on a
+    line of its own; every process exits with code 1 (under torchrun each would print it)."""
+    try:
+        main(args)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e.code, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def load_task(args, device):
@@ -678,7 +690,7 @@ def load_task(args, device):
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
     eval_path = held_out_dataset(args)
     held_out = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
-    return tokenizer, prompts, rows, held_out, stop_ids, REWARD_FNS.get(args.reward_fn)
+    return tokenizer, prompts, rows, held_out, stop_ids, load_reward_fn(args.reward_fn)
 # <<< shared: processes and the task
 
 
@@ -690,6 +702,14 @@ def check_model_path(path, kind, what):
     except (OSError, ValueError) as e:
         raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
                          "written by save_pretrained or a hub model name.")
+    if os.path.isdir(path):  # a local folder: the weights (and a policy's tokenizer) must be there too
+        files = os.listdir(path)
+        if not any(f.endswith((".safetensors", ".bin")) for f in files):
+            raise SystemExit(f"{what} '{path}' holds a config but no weights (no *.safetensors or *.bin file); pass a "
+                             "folder written by save_pretrained.")
+        if kind == "causal" and not any(f in files for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise SystemExit(f"{what} '{path}' has no tokenizer (no tokenizer.json or tokenizer_config.json); save "
+                             "the tokenizer beside the model with tokenizer.save_pretrained.")
     archs = config.architectures or []
     found = archs or config.model_type
     if kind == "causal" and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT-2: LMHeadModel
@@ -889,8 +909,14 @@ def read_rows(path, split, args):
     if not os.path.isfile(path):
         raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": "
                          "...}} rows or a hub dataset name.")
-    with open(path) as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise SystemExit(f"line {line} of '{path}' is not UTF-8 text (the byte {raw[e.start]:#04x}); save the file "
+                         "as UTF-8.")
     if path.endswith(".json") and text.lstrip().startswith("["):
         try:
             return json.loads(text)
@@ -914,7 +940,7 @@ def load_prompts(path, split, args, tokenizer):
     rows = read_rows(path, split, args)
     if len(rows) == 0:
         raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
-    needed = [args.prompt_field] + ([args.answer_field] if args.reward_fn else [])
+    needed = [args.prompt_field] + ([args.answer_field] if args.reward_fn in REWARD_FNS else [])  # a user's may not
     for n, row in enumerate(rows, 1):
         missing = [k for k in needed if not isinstance(row, dict) or k not in row]
         if missing == [args.answer_field]:
@@ -930,6 +956,9 @@ def load_prompts(path, split, args, tokenizer):
         if not isinstance(prompt, str) and not is_chat:
             raise SystemExit(f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
                              "a list of {\"role\", \"content\"} messages.")
+        if not (prompt.strip() if isinstance(prompt, str) else any(str(m["content"]).strip() for m in prompt)):
+            raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row (a response needs a prompt "
+                             "to follow).")
         if (is_chat or args.chat_template) and tokenizer.chat_template is None:
             raise SystemExit(f"row {n} of '{path}' needs a chat template, but the tokenizer of "
                              f"'{args.model_name_or_path}' has none; set tokenizer.chat_template and save it, or "
@@ -938,16 +967,19 @@ def load_prompts(path, split, args, tokenizer):
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
-        longest = max(len(prompts[i]) for i in too_long)
-        raise SystemExit(f"{len(too_long)} prompts are longer than --max_prompt_length {args.max_prompt_length} (the "
-                         f"longest has {longest} tokens); raise it, or pass --truncate_prompts to keep their last "
-                         "tokens.")
+        longest = max(too_long, key=lambda i: len(prompts[i]))
+        raise SystemExit(f"{len(too_long)} prompts of '{path}' are longer than --max_prompt_length "
+                         f"{args.max_prompt_length} (the first is row {too_long[0] + 1}; the longest, row "
+                         f"{longest + 1}, has {len(prompts[longest])} tokens); raise it, or pass --truncate_prompts to "
+                         "keep their last tokens.")
     if too_long:
         warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens "
                       "(--truncate_prompts).")
         prompts = [p[-args.max_prompt_length :] for p in prompts]
-    if any(len(p) == 0 for p in prompts):
-        raise SystemExit(f"dataset '{path}' has empty prompts; remove them (a response needs a prompt to follow).")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]  # text the tokenizer makes nothing of
+    if empty:
+        raise SystemExit(f"row {empty[0] + 1} of '{path}' has a prompt of no tokens; remove that row (a response "
+                         "needs a prompt to follow).")
     return prompts, rows
 
 
@@ -1089,6 +1121,46 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
+@functools.cache  # a user's file is run once, when the arguments are checked
+def load_reward_fn(spec):
+    """The rule reward of --reward_fn (None without one): a built-in name, or the user's own function as
+    path/to/file.py:function or package.module:function, called as the built-ins are: the responses' texts and the
+    rows' answers (None where a row has none) in, one float per response out. Checked before any model loads."""
+    import importlib.util
+    import inspect
+
+    if spec is None or spec in REWARD_FNS:
+        return REWARD_FNS.get(spec)
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise SystemExit(f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
+                         "path/to/file.py:function or package.module:function.")
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise SystemExit(f"--reward_fn {spec}: the file '{where}' does not exist; pass the path of a Python file.")
+    try:
+        if where.endswith(".py"):
+            found = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except Exception as e:
+        raise SystemExit(f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or "
+                         "check the module's name and that it is importable from here.")
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise SystemExit(f"--reward_fn {spec}: '{where}' has no function '{name}'; name one it defines.")
+    try:
+        inspect.signature(fn).bind(["a response"], ["its answer"])
+    except TypeError:
+        raise SystemExit(f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, "
+                         "answers); it must take the list of response texts and the list of answers, and return "
+                         "one score per response.")
+    except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
+        pass
+    return fn
+
+
 def call_reward_fn(reward_fn, texts, answers):
     """A rule reward is user code. When the call on the batch fails (an exception, a wrong number of scores),
     it is called again one response at a time, so that each failure is pinned on its response. Returns the
@@ -1172,8 +1244,7 @@ def require(args, names, rule, ok):
 
 
 def check_common_args(args, responses_per_iteration):
-    """The checks every script shares; the output folder last, so that nothing is created for a run that cannot
-    start."""
+    """The checks every script shares. Nothing is created here: a run that cannot start leaves nothing behind."""
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
     require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length",
                    "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"),
@@ -1191,6 +1262,12 @@ def check_common_args(args, responses_per_iteration):
     if responses_per_iteration % args.minibatch_size:
         raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide the {responses_per_iteration} "
                          "responses per iteration; pick sizes where it does.")
+    local_minibatch = args.minibatch_size // args.world_size
+    if args.micro_batch_size > local_minibatch:  # an upper bound, so that the defaults hold under torchrun too
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--micro_batch_size {args.micro_batch_size} is more than the per-process minibatch of "
+                  f"{local_minibatch} ({args.world_size} processes); using {local_minibatch}.")
+        args.micro_batch_size = local_minibatch
     if (args.minibatch_size // args.world_size) % args.micro_batch_size:
         raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of "
                          f"{args.minibatch_size // args.world_size}; pick one that does.")
@@ -1199,8 +1276,7 @@ def check_common_args(args, responses_per_iteration):
                          f"{responses_per_iteration} responses; raise it.")
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
-    if args.reward_fn and args.reward_fn not in REWARD_FNS:
-        raise SystemExit(f"unknown --reward_fn '{args.reward_fn}'; choose one of {sorted(REWARD_FNS)}.")
+    load_reward_fn(args.reward_fn)
     if args.model_dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
     if args.mixed_precision and args.model_dtype != "float32":
@@ -1210,12 +1286,23 @@ def check_common_args(args, responses_per_iteration):
     for p in args.reward_model_path:
         check_model_path(p, "classifier", "--reward_model_path")
     find_checkpoint(args)
-    try:  # a folder that cannot be written would otherwise fail only when the first metrics are written
+    # A folder that cannot be written would otherwise fail only when the first metrics are written. It is made and
+    # written to here, then removed again (with any parents made for it) until the run starts writing.
+    first_made = os.path.abspath(args.output_dir)
+    while os.path.dirname(first_made) != first_made and not os.path.exists(os.path.dirname(first_made)):
+        first_made = os.path.dirname(first_made)
+    first_made = None if os.path.exists(args.output_dir) else first_made
+    try:  # by rank 0 alone: another process's removal would race with its writing
+        if int(os.environ.get("RANK", 0)) != 0:
+            return
         os.makedirs(args.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=args.output_dir).close()
     except OSError as e:
         raise SystemExit(f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a "
                          "folder you can write.")
+    finally:
+        if first_made and os.path.isdir(first_made):
+            shutil.rmtree(first_made)
 
 
 def failure_alarms(m, state, args):
@@ -1476,6 +1563,7 @@ class Log:
         self.args, self.tokenizer, self.on = args, tokenizer, rank == 0
         self.file = self.wandb = None
         if self.on:
+            os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, "args.json"), "w") as f:
                 json.dump(asdict(args), f, indent=2)
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
@@ -1579,4 +1667,4 @@ def finish(policy, tokenizer, log, args, rank):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args, use_underscores=True))
+    exit_once(main, tyro.cli(Args, use_underscores=True))

@@ -20,17 +20,13 @@ which is another micro-batch than the single process's first)."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, torchrun
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 # Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
 # batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
 ARGS = {
@@ -61,8 +57,7 @@ def common(script, held_out):
 
 def run_torchrun(script, out, *args):
     """Like run_script, on two processes: returns the rows of the run's metrics.jsonl."""
-    result = subprocess.run([*TORCHRUN, os.path.join(ROOT, script), "--output_dir", str(out), *args],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    result = torchrun(script, out, *args)
     assert result.returncode == 0, result.stderr[-3000:]
     return read_rows(out)
 

@@ -11,6 +11,8 @@ import shlex
 import pytest
 import tyro
 
+from helpers import readme_files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("ppo.py", "grpo.py", "rloo.py")
 
@@ -55,4 +57,8 @@ def test_readme_command_parses_and_passes_the_checks(script, argv, nproc, partia
         return
     monkeypatch.setattr(module, "check_model_path", lambda *a: None)
     args.output_dir, args.world_size = str(tmp_path / "out"), nproc
+    shown = readme_files(tmp_path)  # a reward function's file the README shows, as the user would have written it
+    where, _, name = (args.reward_fn or "").rpartition(":")
+    if where in shown:
+        args.reward_fn = f"{shown[where]}:{name}"
     module.validate(args)  # raises SystemExit with its sentence when a check fails
