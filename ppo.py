@@ -30,7 +30,9 @@ Commands:
 """
 
 import functools
+import hashlib
 import json
+import math
 import os
 import re
 import shlex
@@ -318,7 +320,10 @@ def value_loss(values, values_old, returns, clip_range):
 
 def adaptive_kl_coef(kl_coef, kl, kl_target, horizon, n_episodes):
     """Ziegler et al. (2019) proportional controller: e = clip(KL / target - 1, -0.2, 0.2),
-    beta <- beta (1 + e n / horizon). KL above target raises beta, below lowers it. Floats in, a float out."""
+    beta <- beta (1 + e n / horizon). KL above target raises beta, below lowers it; a non-finite KL (the rollout of a
+    broken policy) leaves it as it is. Floats in, a float out."""
+    if not math.isfinite(kl):
+        return kl_coef
     error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * n_episodes / horizon)
 
@@ -525,7 +530,8 @@ def main(args):
     # >>> shared: outputs and the starting policy's held-out score
     log, received = Log(args, state, rank, tokenizer), catch_stop_signals()
     if held_out[0] and not args.resume:  # logged as iteration 0: where the run starts from
-        log.before_training(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device))
+        log.before_training(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device,
+                                     received))
     # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
@@ -547,7 +553,7 @@ def main(args):
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(
             reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask,
-            [rows[i] for i in idx], args)  # (B,)
+            [rows[i] for i in idx], args, received)  # (B,); a reward that fails is a reason to stop, in received
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         stop_and_save(received, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
         # <<< shared: generate and score
@@ -633,14 +639,14 @@ def main(args):
         # --- 8. held-out score, alarms for the classic failure modes, the log; 9. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device))
+            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, received))
         log.iteration(m, state, prompt_ids, texts, raw_score)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
         stop_and_save(received, args, models, optimizers, state, rank, device)
 
     # --- last: the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
-    finish(policy, tokenizer, log, args, rank)
+    finish(policy, tokenizer, log, state, args, rank)
     # <<< shared: evaluate, alarms, log and save
 
 
@@ -1054,12 +1060,14 @@ def left_pad(sequences, pad_token_id, device, width=None):
 # >>> shared: rewards and evaluation
 @torch.no_grad()
 def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows,
-                    args):
+                    args, stops=None):
     """The raw score of each full response (B,): a reward model that shares the policy's tokenizer reads the token
     ids and scores at the last real token (the EOS); one with a tokenizer of its own reads the prompt and the
     decoded response re-tokenised for it; the rule reads the decoded text and the row's answer. Also returns the
     rule's own scores (or None), the texts, and how many responses had no valid score (they stop the run, or with
-    --on_reward_error penalty score below the rest of the batch). rows: each response's dataset row."""
+    --on_reward_error penalty score below the rest of the batch). rows: each response's dataset row. A reward that
+    stops the run is put in stops, the run's reasons to stop (stop_and_save then stops every process together and
+    saves the state before the rollout); without stops it stops here."""
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) the final response token
     rm_scores = []  # K x (B,)
@@ -1073,17 +1081,26 @@ def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_ma
             rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
     answers = [row.get(args.answer_field) for row in rows]
     rule_scores, why = call_reward_fn(reward_fn, texts, answers) if reward_fn else (None, "not a finite number")
+    failure = None if why else ("the reward function fails on the whole batch but on no single response; it must "
+                                "return one score per response.")
     rule_scores = torch.tensor(rule_scores, device=responses.device) if reward_fn else None
     score = combine_scores(rm_scores, rule_scores)
     bad = ~torch.isfinite(score)
-    if bad.any():
+    if bad.any() and not failure:
         i = bad.nonzero()[0, 0].item()
         prompt = tokenizer.decode(input_ids[i, : input_ids.shape[1] - responses.shape[1]], skip_special_tokens=True)
-        if args.on_reward_error == "stop" or bad.all():
-            raise SystemExit(f"the reward of the response {texts[i]!r} to the prompt {prompt!r} is {why}; fix the "
-                             "reward, or pass --on_reward_error penalty to score such responses below the rest of "
-                             "the batch.")
-        score = torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score)
+        if args.on_reward_error == "stop":
+            failure = (f"the reward of the response {texts[i]!r} to the prompt {prompt!r} is {why}; fix the reward, "
+                       "or pass --on_reward_error penalty to score such responses below the rest of the batch.")
+        elif bad.all():  # no valid score to put them below
+            failure = (f"every response of the batch failed its reward (the response {texts[i]!r} to the prompt "
+                       f"{prompt!r} is {why}); fix the reward function.")
+        else:
+            score = torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score)
+    if failure and stops is None:
+        raise SystemExit(failure)
+    if failure:
+        stops.append(failure)
     return score, rule_scores.nan_to_num(0.0) if reward_fn else None, texts, int(bad.sum())
 
 
@@ -1164,7 +1181,8 @@ def load_reward_fn(spec):
 def call_reward_fn(reward_fn, texts, answers):
     """A rule reward is user code. When the call on the batch fails (an exception, a wrong number of scores),
     it is called again one response at a time, so that each failure is pinned on its response. Returns the
-    scores (nan where there is none) and what went wrong first."""
+    scores (nan where there is none) and what went wrong first: None when no single response fails although the
+    whole batch does."""
     try:
         scores = [float(x) for x in reward_fn(texts, answers)]
         if len(scores) == len(texts):
@@ -1179,10 +1197,7 @@ def call_reward_fn(reward_fn, texts, answers):
         except Exception as e:
             scores.append(float("nan"))
             errors.append(f"an error ({type(e).__name__}: {e})")
-    if not errors:
-        raise SystemExit("the reward function fails on the whole batch but on no single response; it must return one "
-                         "score per response.")
-    return scores, errors[0]
+    return scores, errors[0] if errors else None
 
 
 def reward_model_inputs(own_tokenizer, prompts, texts, device):
@@ -1204,10 +1219,10 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
 
 
 @torch.no_grad()
-def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device):
+def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, stops=None):
     """Mean raw score on the held-out (prompts, rows), sampled at the training temperature and greedy (with a rule
     reward that is the accuracy). Each prompt has its own draws, the same at every evaluation and whatever the number
-    of processes."""
+    of processes. A reward that fails is put in stops, as in training, and nothing is returned: the run stops."""
     prompts, rows = held_out
     rank = dist.get_rank() if dist.is_initialized() else 0
     seeded = torch.Generator().manual_seed(args.seed)
@@ -1229,9 +1244,9 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, ar
             input_ids = torch.cat([prompt_ids, responses], 1)
             attention_mask = torch.cat([prompt_mask, response_mask], 1)
             scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
-                                          response_mask, [rows[i] for i in idx], args)[0])
+                                          response_mask, [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
-    return result
+    return {} if any(isinstance(r, str) for r in stops or []) else result
 # <<< shared: rewards and evaluation
 
 
@@ -1359,17 +1374,110 @@ def checkpoints_in(folder):
     return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[11:]))]
 
 
+def all_processes(value):
+    """Every process's value (a small picklable object) in rank order, on every process; [value] in a plain run."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def run_identity(args):
+    """What a checkpoint records of the run that made it: the script, and a digest of the arguments that must be the
+    same to resume it (all but RESUMABLE)."""
+    fixed = json.dumps({k: v for k, v in asdict(args).items() if k not in RESUMABLE}, sort_keys=True)
+    return {"script": os.path.basename(__file__), "args_sha256": hashlib.sha256(fixed.encode()).hexdigest()}
+
+
+def file_digests(folder, names):
+    """{name: {"bytes": size, "sha256": checksum}} of files in folder, the reading shared out over the processes (each
+    takes every world_size-th file); the same on every process."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {}
+    for name in names[rank::world]:
+        with open(os.path.join(folder, name), "rb") as f:
+            mine[name] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    return {name: entry for part in all_processes(mine) for name, entry in part.items()}
+
+
+def manifest_digest(manifest):
+    """A checksum of a manifest's own entries (all but this one), so that a manifest damaged in place shows too."""
+    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True).encode()
+                          ).hexdigest()
+
+
+def write_manifest(folder, args, iteration, rank):
+    """manifest.json, the last file written into a checkpoint: the size and checksum of every other file, the run's
+    identity and the iteration, and a checksum of all that."""
+    manifest = {**run_identity(args), "iteration": iteration, "files": file_digests(folder, sorted(os.listdir(folder)))}
+    manifest["sha256"] = manifest_digest(manifest)
+    if rank == 0:
+        with open(os.path.join(folder, "manifest.json"), "w") as f:
+            json.dump(manifest, f, indent=2)
+
+
+def checkpoint_damage(path):
+    """What is wrong with a checkpoint, in a few words that name the file, or None when it is whole: its manifest
+    intact, and every file the manifest lists there with its size and checksum (read once, shared out over the
+    processes)."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+        files = {name: (entry["bytes"], entry["sha256"]) for name, entry in manifest["files"].items()}
+        intact = manifest["sha256"] == manifest_digest(manifest)
+    except FileNotFoundError:
+        return "it has no manifest.json, as a save cut short or a checkpoint older than manifests"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        intact = False
+    if not intact:
+        return "its manifest.json is damaged"
+    for name, (size, _) in sorted(files.items()):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing"
+        if os.path.getsize(os.path.join(path, name)) != size:
+            return f"{name} has {os.path.getsize(os.path.join(path, name))} bytes, not the {size} it was saved with"
+    found = file_digests(path, sorted(files))
+    changed = [name for name in sorted(files) if found[name]["sha256"] != files[name][1]]
+    return f"{changed[0]} does not match the checksum it was saved with" if changed else None
+
+
 def find_checkpoint(args):
-    """Turn --resume into a checkpoint folder (or None) and check it against the arguments, before any model
-    loads."""
+    """Turn --resume into a whole checkpoint of this run (or None) and check it against the arguments, before any
+    model loads: 'auto' takes the newest checkpoint in --output_dir that is whole, saying which it skips. A run never
+    mixes its checkpoints with another run's: it refuses a folder that holds checkpoints it does not resume."""
+    say, held = int(os.environ.get("RANK", 0)) == 0, checkpoints_in(args.output_dir)
     if args.resume == "auto":
-        args.resume = (checkpoints_in(args.output_dir) or [None])[-1]
-        if int(os.environ.get("RANK", 0)) == 0:
+        args.resume = None
+        for path in reversed(held):
+            damage = checkpoint_damage(path)
+            if not damage:
+                args.resume = path
+                break
+            if say:
+                print(f"--resume auto: skipping {path}: {damage}")
+        if held and not args.resume:
+            raise SystemExit(f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
+                             "afresh there, or pass another --output_dir.")
+        if say:
             found = f"resuming from {args.resume}" if args.resume else f"no checkpoint in {args.output_dir}"
             print(f"--resume auto: {found}" + ("" if args.resume else ", starting afresh"))
-    if args.resume and not os.path.isfile(os.path.join(args.resume, "state.json")):
-        raise SystemExit(f"--resume '{args.resume}' is not a checkpoint (it has no state.json); pass an "
-                         f"{args.output_dir}/checkpoint-N folder, or auto.")
+    elif args.resume:
+        check_resume_path(args)
+    if held and not args.resume:
+        same = checkpoint_identity(held[-1]) == run_identity(args)
+        raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of "
+                         f"{'an earlier run with these arguments' if same else 'another run'} (the newest: "
+                         f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
+                         "to start afresh.")
+    if held and os.path.realpath(os.path.dirname(args.resume)) != os.path.realpath(args.output_dir):
+        raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
+                         f"'{args.resume}' there would mix them with its own; pass an --output_dir without "
+                         "checkpoints.")
+    made_by = checkpoint_identity(args.resume)["script"] if args.resume else os.path.basename(__file__)
+    if made_by != os.path.basename(__file__):
+        raise SystemExit(f"'{args.resume}' is a checkpoint of {made_by}, not of {os.path.basename(__file__)}; resume "
+                         f"it with {made_by}, or start {os.path.basename(__file__)} in another --output_dir.")
     saved = json.load(open(os.path.join(args.resume, "args.json"))) if args.resume else {}
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
     changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
@@ -1378,39 +1486,119 @@ def find_checkpoint(args):
                          f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change).")
 
 
+def check_resume_path(args):
+    """--resume PATH: a finished checkpoint that is whole, else one sentence naming the damage and the newest whole
+    checkpoint beside it. The path is normalised (no trailing slash)."""
+    path = args.resume = os.path.normpath(args.resume)
+    if path.endswith(".tmp"):
+        raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder, never finished); pass "
+                         "--resume auto for the newest whole checkpoint beside it.")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
+        raise SystemExit(f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
+                         f"{args.output_dir}/checkpoint-N folder, or auto.")
+    damage = checkpoint_damage(path)
+    if damage:
+        whole = next((p for p in reversed(checkpoints_in(os.path.dirname(path))) if p != path
+                      and not checkpoint_damage(p)), None)
+        raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; " + (
+            f"resume from {whole}, the newest whole checkpoint beside it." if whole else
+            "no checkpoint beside it is whole, so start afresh in another --output_dir."))
+
+
+def checkpoint_identity(path):
+    """The script and the digest of the arguments recorded in a checkpoint's manifest (None each where unreadable)."""
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        manifest = {}
+    return {k: manifest.get(k) if isinstance(manifest, dict) else None for k in ("script", "args_sha256")}
+
+
 def trainer_state_dicts(models, optimizers):
     """Each trained model's and optimiser's state, keyed by parameter name (under FSDP2, this process's shards)."""
     return {k: dict(zip(("model", "optimizer"), get_state_dict(models[k], optimizers[k]))) for k in models}
 
 
+def together(step, here=True):
+    """Run step() where here is true and return the first write error of any process, in words (None when there is
+    none), on every process: a write that fails on one process stops them all at the same place."""
+    error = None
+    try:
+        if here:
+            step()
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
+        if isinstance(e, dcp.CheckpointException):  # it wraps each process's error with its traceback
+            e = next(iter(e.failures.values()))
+            e = e[0] if isinstance(e, tuple) else e
+        error = f"{type(e).__name__}: {e}"[:300]
+    return next((e for e in all_processes(error) if e), None)
+
+
+def is_saved(path, state, args):
+    """Whether path holds this very state of this run already (a stop right after a save, or right after resuming):
+    the same state.json and identity. Another run's checkpoint-N, or a damaged one, is written over."""
+    try:
+        with open(os.path.join(path, "state.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return saved == json.loads(json.dumps(state)) and checkpoint_identity(path) == run_identity(args)
+
+
 def save_checkpoint(args, models, optimizers, state, rank):
     """Everything a resumed run needs (the trained models and optimisers, each process writing its own shards with
-    torch.distributed.checkpoint; the state; the log so far), written under a temporary name and then renamed: a
-    kill during a save leaves the previous checkpoint whole. Then all but the newest --keep_checkpoints are
+    torch.distributed.checkpoint; the state; the log so far), written under a temporary name with a manifest of
+    every file's size and checksum last, then renamed: a kill during a save leaves the previous checkpoint whole, and
+    damage done to a checkpoint later shows when it is resumed. A model that is not finite is not written; a write
+    that fails (a full disk) stops the run with one sentence. Then all but the newest --keep_checkpoints are
     deleted."""
     path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
     tmp = path + ".tmp"
-    if os.path.isdir(path):  # this very state is saved already (a stop right after resuming)
+    if all_processes(rank == 0 and is_saved(path, state, args))[0]:
         return path
-    if rank == 0:
+    refuse_non_finite(models, f"{path} is not written", args)
+
+    def begin():  # rank 0: the folder, the log so far, the arguments and the state
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
         for name, content in (("args.json", asdict(args)), ("state.json", state)):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(content, f, indent=2)
-    if args.world_size > 1:
-        dist.barrier()  # the folder exists
-    with warnings.catch_warnings():  # a plain run's checkpoint is written by one process, as meant: no warning
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)  # returns when every process has written
-    if rank == 0:
+
+    def shards():  # every process; returns when every process has written
+        with warnings.catch_warnings():  # a plain run's checkpoint is written by one process, as meant: no warning
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
+
+    def rename():  # rank 0: over a stale or damaged checkpoint-N; then the oldest ones and any save cut short go
+        shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir)
                      if n.startswith("checkpoint-") and n.endswith(".tmp")]
         for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
             shutil.rmtree(old)
+
+    error = (together(begin, rank == 0) or together(shards)
+             or together(lambda: write_manifest(tmp, args, state["iteration"], rank)) or together(rename, rank == 0))
+    if error:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(all_processes(megabytes_held(models.values(), optimizers.values())))
+        raise SystemExit(write_failure(f"writing {path}", error, args, needed) if rank == 0 else 1)
     return path
+
+
+def write_failure(what, error, args, needed_mb=None):
+    """One sentence for a write that failed: the folder, its free space against what was needed (where known), and
+    the last good checkpoint to go on from."""
+    free_mb = shutil.disk_usage(args.output_dir).free / 2**20
+    need = f" and about {needed_mb:.0f} MB are needed" if needed_mb else ""
+    newest = (checkpoints_in(args.output_dir) or [None])[-1]
+    then = f"go on from {newest}, the last good checkpoint, with --resume auto" if newest else "start again"
+    return (f"{what} failed ({error}); '{args.output_dir}' has {free_mb:.0f} MB free{need}: free some space (or make "
+            f"the folder writable again) and {then}.")
 
 
 def load_checkpoint(path, models, optimizers):
@@ -1428,11 +1616,12 @@ def load_checkpoint(path, models, optimizers):
 
 def catch_stop_signals():
     """SIGTERM (a cluster taking the machine back) or Ctrl-C asks the run to stop where it can save; a second
-    one ends it at once, leaving the last checkpoint as it is. Returns the list of the signals received."""
+    one ends it at once, leaving the last checkpoint as it is. Returns the list of the reasons to stop: the numbers
+    of the signals received, to which a reward that fails adds its message."""
     received = []
 
     def on_signal(signum, frame):
-        if received:
+        if any(isinstance(r, int) for r in received):
             os._exit(128 + signum)
         received.append(signum)
         print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (send it again to quit at once)",
@@ -1444,17 +1633,30 @@ def catch_stop_signals():
 
 
 def stop_and_save(received, args, models, optimizers, state, rank, device):
-    """When any process was signalled, every process saves this state and the run exits (non-zero)."""
-    signum = torch.tensor(received[:1] or [0], device=device)
+    """When any process was signalled or met a failure (a reward that failed, in received), or --max_bad_steps were
+    reached, every process saves this state and the run exits (non-zero), rank 0 saying why, once, and how to go on.
+    After bad steps the state saved is the one the skipped steps left, its count of them cleared for the resumed
+    run."""
+    signum = next((r for r in received if isinstance(r, int)), 0)
+    failure = next((r for r in received if isinstance(r, str)), None)
+    flags = torch.tensor([signum, failure is not None, state["bad_steps"] >= args.max_bad_steps], device=device)
     if args.world_size > 1:
-        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-    if signum.item():
-        path = save_checkpoint(args, models, optimizers, state, rank)
-        command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
-        if rank == 0:
-            print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
-                  f"--resume {path}", flush=True)
-        raise SystemExit(128 + signum.item())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if not flags.any().item():
+        return
+    if flags[1].item():  # the message of the first process that failed
+        failure = next(f for f in all_processes(failure) if f)
+    elif flags[2].item():
+        failure = (f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration "
+                   f"{state['iteration']}); the usual causes are a learning rate too high (lower it), rewards of a "
+                   "large scale (normalise them), bf16 or fp16 overflow (--model_dtype float32).")
+        state = dict(state, bad_steps=0)
+    path = save_checkpoint(args, models, optimizers, state, rank)
+    command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
+    if rank == 0:
+        print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
+              f"--resume {path}", flush=True)
+    raise SystemExit((failure if rank == 0 else 1) if failure else 128 + flags[0].item())
 
 
 def clip_grad_norm(model, max_norm):
@@ -1466,22 +1668,54 @@ def clip_grad_norm(model, max_norm):
 
 def step_is_finite(grad_norms, state, iteration, args):
     """A non-finite gradient norm (from a non-finite loss, advantage or value) skips the optimiser step, leaving
-    the weights and optimiser states as they were; --max_bad_steps in a row stop the run."""
+    the weights and optimiser states as they were. After --max_bad_steps in a row the iteration's other steps are
+    skipped too, and the run stops at its end (stop_and_save), saving the state the skipped steps left."""
+    if state["bad_steps"] >= args.max_bad_steps:
+        state["skipped_steps"] += 1
+        return False
     state["bad_steps"] = 0 if all(torch.isfinite(n) for n in grad_norms) else state["bad_steps"] + 1
     state["skipped_steps"] += state["bad_steps"] > 0
     if state["bad_steps"] == 1:
         print(f"iteration {iteration}: a non-finite loss or gradient; optimiser steps are skipped until a finite one",
               flush=True)
-    if state["bad_steps"] >= args.max_bad_steps:
-        raise SystemExit(f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration "
-                         f"{iteration}); the usual causes are a learning rate too high (lower it), rewards of a large "
-                         "scale (normalise them), bf16 or fp16 overflow (--model_dtype float32).")
     return state["bad_steps"] == 0
+
+
+def non_finite_weight(models):
+    """The name of a trained weight that holds a nan or an inf, the same on every process (under FSDP2 each looks at
+    its own shards), or None. When all is well that costs one fused reduction: the largest |w| of each tensor."""
+    named = [(f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
+             for key, model in models.items() for name, p in model.named_parameters() if p.requires_grad]
+    named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
+    largest = torch._foreach_norm([p for _, p in named], float("inf"), dtype=torch.float32) if named else []
+    bad = torch.zeros((), device=next(p.device for m in models.values() for p in m.parameters()))
+    if named:
+        bad = (~torch.isfinite(torch.stack(largest))).any().float()
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.item():
+        return None
+    mine = next((name for (name, _), x in zip(named, largest) if not torch.isfinite(x)), None)
+    return next(n for n in all_processes(mine) if n)
+
+
+def refuse_non_finite(models, what, args):
+    """Stop every process, rank 0 naming the weight, when a trained weight holds a nan or an inf: what says what is
+    refused."""
+    name = non_finite_weight(models)
+    if name:
+        newest = (checkpoints_in(args.output_dir) or [None])[-1]
+        raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; the usual causes are a learning rate too "
+                         "high (lower it), rewards of a large scale (normalise them), bf16 or fp16 overflow "
+                         "(--model_dtype float32)" + (f"; the newest checkpoint is {newest}." if newest else ".")
+                         if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 
 
 def optimizer_step(models, optimizers, stats, state, iteration, args):
     """One step of every trained model on the gradients accumulated so far: each clipped to --max_grad_norm (the
-    norms before clipping go to stats), the whole step skipped when any norm is not finite."""
+    norms before clipping go to stats), the whole step skipped when any norm is not finite. A finite gradient can
+    still make a weight non-finite (a learning rate far too high, an overflow): the run then stops at once, since
+    going back would need a copy of every weight and Adam state from before each step (twice their memory)."""
     norms = {name: clip_grad_norm(model, args.max_grad_norm) for name, model in models.items()}
     for name, norm in norms.items():
         stats[f"grad_norm/{name}"] += norm.item()
@@ -1490,6 +1724,8 @@ def optimizer_step(models, optimizers, stats, state, iteration, args):
         if finite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if finite:
+        refuse_non_finite(models, f"an optimiser step of iteration {iteration} left a weight non-finite", args)
     stats["steps"] += 1
 # <<< shared: checkpoints, stop signals and bad steps
 
@@ -1554,6 +1790,37 @@ def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, roll
     return m
 
 
+def resumed_log(checkpoint, metrics):
+    """A resumed run's metrics.jsonl: the checkpoint's rows, the truth up to its iteration, written whole (a line cut
+    short is dropped, and said); what the run's own log held after them is kept in a side file beside it, not
+    overwritten."""
+    with open(os.path.join(checkpoint, "metrics.jsonl")) as f:
+        lines = f.read().splitlines(keepends=True)
+    rows = [line for line in lines if line.endswith("\n") and is_row(line)]
+    if len(rows) < len(lines):
+        print(f"--resume: dropped {len(lines) - len(rows)} line(s) of {checkpoint}/metrics.jsonl that are not whole "
+              "rows (a write cut short)")
+    own = open(metrics).read().splitlines(keepends=True) if os.path.isfile(metrics) else []
+    same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
+    if own[same:]:
+        side, n = metrics.replace(".jsonl", f".after-{os.path.basename(checkpoint)}.jsonl"), 1
+        while os.path.exists(side):
+            side, n = metrics.replace(".jsonl", f".after-{os.path.basename(checkpoint)}-{n + 1}.jsonl"), n + 1
+        with open(side, "w") as f:
+            f.writelines(own[same:])
+        print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
+    with open(metrics, "w") as f:
+        f.writelines(rows)
+
+
+def is_row(line):
+    """Whether a line of metrics.jsonl is a whole row (a JSON object)."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
 class Log:
     """What a run shows and keeps, written by rank 0 alone: args.json, metrics.jsonl (a JSON line per iteration, the
     file a checkpoint copies), a line printed per iteration with its alarms and, now and then, sample rows, a live
@@ -1568,7 +1835,7 @@ class Log:
                 json.dump(asdict(args), f, indent=2)
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
             if args.resume:  # the log as far as the checkpoint goes, then on from there
-                shutil.copy(os.path.join(args.resume, "metrics.jsonl"), metrics)
+                resumed_log(args.resume, metrics)
             self.file = open(metrics, "a" if args.resume else "w")
             self.wandb = start_wandb(args, state) if args.track else None
         self.t_start = time.time() - state["elapsed"]
@@ -1578,13 +1845,19 @@ class Log:
 
     def write(self, m, step):
         if self.on:
-            self.file.write(json.dumps(m) + "\n")
-            self.file.flush()  # a checkpoint copies the file as it stands
+            try:
+                self.file.write(json.dumps(m) + "\n")
+                self.file.flush()  # a checkpoint copies the file as it stands
+            except OSError as e:
+                raise SystemExit(write_failure(f"writing {self.file.name}", f"{type(e).__name__}: {e}", self.args))
             if self.wandb:
                 self.wandb.log(m, step=step)
 
     def before_training(self, evaluation):
-        """The held-out score of the starting policy, logged as iteration 0."""
+        """The held-out score of the starting policy, logged as iteration 0 (none when a reward failed: the run
+        stops)."""
+        if not evaluation:
+            return
         m = {"iteration": 0, "episodes": 0, **evaluation, "time/elapsed": time.time() - self.t_start}
         if self.on:
             print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy "
@@ -1648,17 +1921,28 @@ def start_wandb(args, state):
     return wandb
 
 
-def finish(policy, tokenizer, log, args, rank):
+def finish(policy, tokenizer, log, state, args, rank):
     """The trained policy and its tokenizer saved where from_pretrained loads them (under FSDP2, gathered from the
-    shards; under LoRA, merged or the adapters alone); the log closed; the processes' group ended."""
+    shards; under LoRA, merged or the adapters alone); the log closed; the processes' group ended. A policy with a
+    non-finite weight, or whose last optimiser steps had a non-finite loss or gradient, is not saved: the run stops
+    with one sentence."""
+    if state["bad_steps"]:
+        raise SystemExit(f"the last {state['bad_steps']} optimiser step(s) had a non-finite loss or gradient, so the "
+                         f"policy is not saved to {args.output_dir} (the newest checkpoint holds it as it stands); the "
+                         "usual causes are a learning rate too high (lower it), rewards of a large scale (normalise "
+                         "them), bf16 or fp16 overflow (--model_dtype float32)." if rank == 0 else 1)
+    refuse_non_finite({"policy": policy}, f"the policy is not saved to {args.output_dir}", args)
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
-        if args.lora_r:
-            lora_policy_to_save(weights, args).save_pretrained(args.output_dir)
-        else:
-            named = dict(policy.named_parameters()) | dict(policy.named_buffers())
-            policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})
-        tokenizer.save_pretrained(args.output_dir)
+        try:
+            if args.lora_r:
+                lora_policy_to_save(weights, args).save_pretrained(args.output_dir)
+            else:
+                named = dict(policy.named_parameters()) | dict(policy.named_buffers())
+                policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})
+            tokenizer.save_pretrained(args.output_dir)
+        except OSError as e:
+            raise SystemExit(write_failure("saving the policy", f"{type(e).__name__}: {e}", args))
         print(f"saved the policy to {args.output_dir}")
     log.close()
     if dist.is_initialized():

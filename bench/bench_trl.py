@@ -36,6 +36,7 @@ Commands:
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -256,6 +257,7 @@ def profile(algorithm, policy, rm, iterations, out, venv):
     for side in ("ours", "trl"):
         name, entry, targets = PROFILED[side]
         cmd = [cmds[side][0], "-c", PRELUDE, name, entry, json.dumps(targets), *cmds[side][1:]]
+        shutil.rmtree(cmds[side][cmds[side].index("--output_dir") + 1], ignore_errors=True)  # a new run each time
         os.makedirs(out, exist_ok=True)
         log = os.path.join(out, f"profile_{side}.log")
         measured(cmd, log)
@@ -314,6 +316,7 @@ def main():
                             venvs[ALGORITHMS[alg]["venv"]])
             for side in (sides if r % 2 == 0 else sides[::-1]):  # ABBA: each side goes first in every other repeat
                 out = cmds[side][cmds[side].index("--output_dir") + 1]
+                shutil.rmtree(out, ignore_errors=True)  # a new run each time (a folder with checkpoints is refused)
                 os.makedirs(out, exist_ok=True)
                 peaks[m, alg, side].append(measured(cmds[side], os.path.join(out, "output.log")))
                 metrics = os.path.join(out, "metrics.jsonl")

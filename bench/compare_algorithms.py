@@ -12,6 +12,7 @@ after the other, so that their wall times are comparable; peak memory is each pr
 import argparse
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
@@ -60,6 +61,7 @@ def run(algorithm, task, out, responses, evaluations):
            "--save_every", "0"]
     if task == "reviews":  # grpo.py's default task is arithmetic: no rule reward here
         cmd += ["--reward_fn", "None"] if algorithm == "GRPO" else []
+    shutil.rmtree(out, ignore_errors=True)  # a new run each time (a folder with checkpoints is refused)
     os.makedirs(out, exist_ok=True)
     peak_mb = measured(cmd, os.path.join(out, "output.log"))
     return read(os.path.join(out, "metrics.jsonl")), peak_mb

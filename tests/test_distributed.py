@@ -147,3 +147,31 @@ def test_a_run_goes_on_from_a_checkpoint_on_another_number_of_processes(runs, he
     rows, _ = run_script("rloo.py", out, *common("rloo.py", held_out), "--resume", str(two / "checkpoint-2"))
     assert_rows_agree(rows, rows_one)
     assert_same_model(out, one)
+
+
+def test_a_non_finite_weight_is_found_in_either_processs_shards(tmp_path):
+    """After every optimiser step each process looks at its own shards of the trained weights (FSDP2's DTensors): an
+    inf in the second process's half of a weight is named on both processes, and the check is silent before it."""
+    snippet = tmp_path / "check.py"
+    snippet.write_text(f"""import json, sys
+sys.path.insert(0, {ROOT!r})
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import ppo
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+fully_shard(model)  # each process holds 3 of the first weight's 6 rows
+found = [ppo.non_finite_weight({{"policy": model}})]
+if dist.get_rank() == 1:
+    with torch.no_grad():
+        model[0].weight.to_local()[2, 1] = float("inf")
+found.append(ppo.non_finite_weight({{"policy": model}}))
+json.dump(found, open({str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.json", "w"))
+dist.destroy_process_group()
+""")
+    result = subprocess.run([*TORCHRUN, str(snippet)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.load(open(tmp_path / f"rank{rank}.json")) == [None, "policy: 0.weight"]

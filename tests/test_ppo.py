@@ -160,6 +160,8 @@ def test_adaptive_kl_controller():
     # The proportional error is clipped at +-0.2: beta (1 + 0.2 * 100 / 1000).
     assert ppo.adaptive_kl_coef(beta, 600.0, 6.0, 1000, 100) == pytest.approx(0.1 * 1.02)
     assert ppo.adaptive_kl_coef(beta, 0.0, 6.0, 1000, 100) == pytest.approx(0.1 * 0.98)
+    # the KL of a broken policy's rollout (nan, inf) leaves beta where it was, never nan
+    assert [ppo.adaptive_kl_coef(beta, kl, 6.0, 1000, 100) for kl in (float("nan"), float("inf"))] == [beta, beta]
 
 
 def test_running_moments_match_whole_stream():

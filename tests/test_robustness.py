@@ -10,7 +10,9 @@ evaluation from the seed), so there is no generator state to save; the models an
 import io
 import json
 import os
+import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,8 +165,8 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
     assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
     checkpoint = argv[argv.index("--resume") + 1]
-    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json", "metrics.jsonl",
-                                              "state.json"]
+    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json", "manifest.json",
+                                              "metrics.jsonl", "state.json"]
     result = subprocess.run([*torchrun, *argv[2:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == without_timing(read_rows(tmp_path / "full"))
@@ -195,8 +197,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     proc.send_signal(signal.SIGTERM)  # ...the second ends the run at once, mid-save
     printed = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
-    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "args.json", "metrics.jsonl",
-                                                        "state.json"]
+    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "args.json", "manifest.json",
+                                                        "metrics.jsonl", "state.json"]
     assert (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
     rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
     assert f"resuming from {out / 'checkpoint-1'}" in printed
@@ -329,8 +331,9 @@ def test_a_wrong_number_of_scores_is_named():
     with pytest.raises(SystemExit, match="fails on the whole batch but on no single response; "
                                          "it must return one score per response"):
         scored(lambda texts, answers: [1.0] * min(len(texts), 3))
-    # every response failed: no batch minimum
-    with pytest.raises(SystemExit, match="the response '5' .* is not a finite number"):
+    # every response failed: no batch minimum, and the advice is not the option already on
+    with pytest.raises(SystemExit, match="every response of the batch failed its reward "
+                                         r"\(the response '5' .* is not a finite number\); fix the reward function\.$"):
         scored(lambda texts, answers: [float("nan")] * len(texts), "penalty")
 
 
@@ -416,6 +419,7 @@ COMMON_BAD = [
     (dict(keep_checkpoints=0), "--keep_checkpoints must be at least 1"),
     (dict(max_bad_steps=0), "--max_bad_steps must be at least 1"),
     (dict(resume="/nonexistent/checkpoint-3"), "is not a checkpoint \\(it has no state.json\\)"),
+    (dict(resume="/nonexistent/checkpoint-3.tmp"), "is a save that was cut short \\(a .tmp folder, never finished\\)"),
     (dict(minibatch_size=8, micro_batch_size=3), "does not divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
 ]
@@ -477,3 +481,242 @@ def test_a_terminal_gets_a_live_progress_bar_and_a_log_file_only_lines(script, t
             assert "3/3" in bar and "score=" in bar and "kl=" in bar and "<00:00" in bar
         else:
             assert "3/3" not in bar
+
+
+# ---------------------------------------------------------------- checkpoints that prove they are whole
+
+
+def cut_in_half(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_4k(path):
+    """4 KiB in the middle of the file inverted, its size unchanged: what a bad disk or a stray write does."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(255 - b for b in data[middle : middle + 4096])
+    path.write_bytes(bytes(data))
+
+
+# Each kind of file of a checkpoint, damaged: (the file, what is done to it).
+DAMAGE = {
+    "shard cut": ("__0_0.distcp", cut_in_half),
+    "shard bytes flipped": ("__0_0.distcp", flip_4k),
+    ".metadata deleted": (".metadata", os.remove),
+    "state.json cut": ("state.json", cut_in_half),
+    "args.json deleted": ("args.json", os.remove),
+    "metrics.jsonl deleted": ("metrics.jsonl", os.remove),
+    "metrics.jsonl cut": ("metrics.jsonl", cut_in_half),
+    "manifest deleted": ("manifest.json", os.remove),
+    "manifest edited": ("manifest.json", lambda p: p.write_text(p.read_text().replace('"iteration": 6',
+                                                                                      '"iteration": 7'))),
+}
+
+
+def run_as_found(tmp_path, uninterrupted, script="ppo.py"):
+    """A copy of the script's tiny run, as a user finds it: checkpoints 3 and 6, its log, its arguments, its policy."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted(script)[0], out, ignore=shutil.ignore_patterns("*.pt"))  # final_state's files
+    return out
+
+
+def tiny_args(script, out, **kw):
+    """The arguments of the tiny runs (relative paths, as on their command lines)."""
+    return MODULES[script].Args(**{**TINY[script], "output_dir": str(out), **kw})
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_checkpoint_is_named_and_the_one_before_taken(damage, tmp_path, uninterrupted, capsys):
+    out = run_as_found(tmp_path, uninterrupted)
+    name, spoil = DAMAGE[damage]
+    spoil(out / "checkpoint-6" / name)
+    args = tiny_args("ppo.py", out, resume="auto")
+    ppo.validate(args)  # no traceback, nothing loaded
+    assert args.resume == str(out / "checkpoint-3")
+    (skipped,) = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
+    assert skipped.startswith(f"--resume auto: skipping {out / 'checkpoint-6'}: ") and name in skipped
+    # named outright: one sentence with the file and the checkpoint to take instead
+    with pytest.raises(SystemExit, match=rf"checkpoint '{re.escape(str(out / 'checkpoint-6'))}' is damaged: .*"
+                                         rf"{re.escape(name)}.*; resume from {re.escape(str(out / 'checkpoint-3'))}, "
+                                         "the newest whole checkpoint beside it"):
+        ppo.validate(tiny_args("ppo.py", tmp_path / "elsewhere", resume=str(out / "checkpoint-6")))
+
+
+def test_a_run_resumed_past_a_damaged_checkpoint_is_the_same_run(tmp_path, uninterrupted):
+    """Bytes flipped inside the newest shard used to be resumed without a word (and a non-finite policy saved): now
+    the run goes on from the checkpoint before, writes checkpoint-6 anew over the damaged one, and ends as the run
+    that was never damaged; its own log's rows after checkpoint-3 are kept aside, not overwritten."""
+    _, full_rows, full_state = uninterrupted("ppo.py")
+    out = run_as_found(tmp_path, uninterrupted)
+    flip_4k(out / "checkpoint-6" / "__0_0.distcp")
+    own_log = (out / "metrics.jsonl").read_text().splitlines(keepends=True)  # the held-out row 0, iterations 1-6
+    rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
+    assert f"skipping {out / 'checkpoint-6'}: __0_0.distcp does not match the checksum it was saved with" in printed
+    assert f"resuming from {out / 'checkpoint-3'}" in printed
+    assert without_timing(rows) == full_rows
+    assert_bitwise_equal(final_state(out), full_state)
+    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == "".join(own_log[4:])  # iterations 4-6
+
+
+def test_a_resumed_log_drops_a_row_cut_short_and_keeps_the_rest_aside(tmp_path, uninterrupted, capsys):
+    out = run_as_found(tmp_path, uninterrupted)
+    checkpoint = out / "checkpoint-3"
+    whole = (checkpoint / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (checkpoint / "metrics.jsonl").write_text("".join(whole) + whole[-1][:25])  # saved with a last line cut short
+    os.remove(checkpoint / "manifest.json")
+    ppo.write_manifest(str(checkpoint), tiny_args("ppo.py", out), 3, rank=0)  # as it was saved: whole, by its manifest
+    args = tiny_args("ppo.py", out, resume=str(checkpoint))
+    ppo.validate(args)
+    own_log = (out / "metrics.jsonl").read_text()
+    ppo.resumed_log(args.resume, str(out / "metrics.jsonl"))
+    printed = capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text() == "".join(whole)  # the checkpoint's rows, each whole
+    assert f"dropped 1 line(s) of {checkpoint}/metrics.jsonl that are not whole rows" in printed
+    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log[len("".join(whole)):]
+    assert "".join(whole) + (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log  # nothing lost
+
+
+def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, uninterrupted):
+    """Run B, on other data, in the folder of run A: refused before anything is written, however it is started;
+    run A's checkpoints, log and policy stay as they were."""
+    out = run_as_found(tmp_path, uninterrupted)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    other_data = dict(dataset=os.path.join("assets", "arithmetic", "train.jsonl"))
+    with pytest.raises(SystemExit, match=rf"--output_dir '{re.escape(str(out))}' holds the checkpoints of another run "
+                                         r"\(the newest: checkpoint-6\); pass --resume auto to continue it, or "
+                                         "another --output_dir to start afresh"):
+        ppo.main(tiny_args("ppo.py", out, **other_data))
+    with pytest.raises(SystemExit, match="was made with other values of --dataset"):
+        ppo.main(tiny_args("ppo.py", out, resume="auto", **other_data))
+    elsewhere = uninterrupted("ppo.py")[0] / "checkpoint-3"  # a whole checkpoint of a run of its own
+    with pytest.raises(SystemExit, match=rf"holds the checkpoints of another run, and resuming "
+                                         rf"'{re.escape(str(elsewhere))}' there would mix them with its own"):
+        ppo.main(tiny_args("ppo.py", out, resume=str(elsewhere)))
+    with pytest.raises(SystemExit, match=r"holds the checkpoints of an earlier run with these arguments"):
+        ppo.main(tiny_args("ppo.py", out))  # the same run started again without --resume
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_of_another_script_is_refused(tmp_path, uninterrupted):
+    checkpoint = uninterrupted("ppo.py")[0] / "checkpoint-6"
+    with pytest.raises(SystemExit, match=rf"'{re.escape(str(checkpoint))}' is a checkpoint of ppo.py, not of grpo.py; "
+                                         "resume it with ppo.py"):
+        grpo.validate(tiny_args("grpo.py", tmp_path, resume=str(checkpoint)))
+
+
+@pytest.mark.parametrize("script", list(MODULES))
+def test_a_learning_rate_of_1e9_never_ends_with_a_broken_policy_saved(script, tmp_path, keep_signal_handlers):
+    """The first step takes every weight to about 1e9 (finite, but the logits are nan from then on). PPO here takes
+    four steps an iteration, so three non-finite ones in a row stop it at the end of its first; the others take one,
+    and the run ends after a single bad step: the final save refuses the policy."""
+    several = dict(minibatch_size=4, micro_batch_size=4, num_epochs=2) if script == "ppo.py" else {}
+    message = ("3 optimiser steps in a row had a non-finite loss or gradient \\(iteration 1\\)" if several else
+               "the last 1 optimiser step\\(s\\) had a non-finite loss or gradient, so the policy is not saved")
+    with pytest.raises(SystemExit, match=message):
+        MODULES[script].main(args_for(script, tmp_path, total_episodes=16, learning_rate=1e9, save_every=1, **several))
+    assert not (tmp_path / "model.safetensors").exists()
+    for checkpoint in MODULES[script].checkpoints_in(str(tmp_path)):  # what was written is finite
+        assert all(torch.isfinite(w).all() for w in checkpointed(checkpoint)["policy"]["model"].values())
+
+
+def test_a_step_that_makes_a_weight_non_finite_stops_the_run_at_once(tmp_path, keep_signal_handlers):
+    """A learning rate of 1e39 is inf in float32: the very first step writes infs, with a finite gradient."""
+    with pytest.raises(SystemExit, match=r"an optimiser step of iteration 1 left a weight non-finite: the weight "
+                                         r"'policy: model\..*' holds a nan or an inf; .*\(--model_dtype float32\)\.$"):
+        rloo.main(args_for("rloo.py", tmp_path, total_episodes=16, learning_rate=1e39, save_every=1))
+    assert rloo.checkpoints_in(str(tmp_path)) == [] and not (tmp_path / "model.safetensors").exists()
+
+
+def test_no_save_writes_a_non_finite_model(tmp_path):
+    policy = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        policy.weight[1, 0] = float("nan")
+    models, optimizers = {"policy": policy}, {"policy": torch.optim.AdamW(policy.parameters())}
+    args = ppo.Args(output_dir=str(tmp_path))
+    with pytest.raises(SystemExit, match=rf"{re.escape(str(tmp_path / 'checkpoint-1'))} is not written: the weight "
+                                         "'policy: weight' holds a nan or an inf"):
+        ppo.save_checkpoint(args, models, optimizers, {"iteration": 1}, rank=0)
+    with pytest.raises(SystemExit, match="the policy is not saved to .*: the weight 'policy: weight' holds a nan"):
+        ppo.finish(policy, None, None, {"bad_steps": 0}, args, rank=0)
+    assert os.listdir(tmp_path) == []
+
+
+def failing_reward(tmp_path, from_batch, rank):
+    """A prelude that runs a script with its arithmetic reward behind a grading service that goes away at the given
+    rollout (counting batches), on the given process; the script's own reward is the function fixed."""
+    prelude = tmp_path / "failing_reward.py"
+    prelude.write_text(f"""import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, {ROOT!r})
+script = runpy.run_path(sys.argv[0], run_name="script")  # its functions; main not run yet
+arithmetic, batches = script["REWARD_FNS"]["arithmetic"], []
+def grading_service(texts, answers):
+    batches.append(len(texts) > 1)
+    if os.environ.get("RANK", "0") == {str(rank)!r} and sum(batches) >= {from_batch}:
+        raise ConnectionError("the grading service went away")
+    return arithmetic(texts, answers)
+script["REWARD_FNS"]["arithmetic"] = grading_service
+script["main"](script["tyro"].cli(script["Args"], use_underscores=True))
+""")
+    return str(prelude)
+
+
+def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_to_go_on_from(tmp_path, uninterrupted):
+    """The reward fails at iteration 3 (save_every 3: no checkpoint yet): the run saves the state before it, names
+    the failure, prints the command that goes on; with the function fixed that command ends as the run whose reward
+    never failed."""
+    _, full_rows, full_state = uninterrupted("grpo.py")
+    out = tmp_path / "run"
+    proc = launch("grpo.py", out, cli("grpo.py", save_every=3), prelude=failing_reward(tmp_path, 3, rank=0))
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1 and "Traceback" not in printed, printed[-3000:]
+    assert "is an error (ConnectionError: the grading service went away); fix the reward" in printed
+    command = printed.split("stopped after iteration 2; to go on:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"--resume {out / 'checkpoint-2'}")
+    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert without_timing(read_rows(out)) == full_rows
+    assert_bitwise_equal(final_state(out), full_state)
+
+
+def test_a_reward_that_fails_on_one_process_stops_them_all_together(tmp_path):
+    """Under torchrun the second process's reward fails at iteration 2: both save iteration 1's state, and the
+    failure is said once, by rank 0, with the command that goes on."""
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    result = subprocess.run([*torchrun, failing_reward(tmp_path, 2, rank=1), os.path.join(ROOT, "grpo.py"),
+                             "--output_dir", str(out), *cli("grpo.py", save_every=3, micro_batch_size=4)],
+                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    printed = result.stdout + result.stderr
+    assert result.returncode != 0 and printed.count("the grading service went away") == 1, printed[-3000:]
+    assert printed.count("stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 ") == 1
+    assert grpo.checkpoint_damage(str(out / "checkpoint-1")) is None
+    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json",
+                                                        "manifest.json", "metrics.jsonl", "state.json"]
+    assert json.load(open(out / "checkpoint-1" / "state.json"))["iteration"] == 1
+
+
+def files_of_a_megabyte():
+    """In the child: files may grow to 1 MB (a full disk for the checkpoint's shard, 17 MB), and going past the limit
+    is an error to the writer instead of a signal that kills it."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    os.makedirs(out)
+    shutil.copytree(uninterrupted("rloo.py")[0] / "checkpoint-3", out / "checkpoint-3")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--output_dir", str(out),
+                             *cli("rloo.py", save_every=1), "--resume", "auto"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=240, preexec_fn=files_of_a_megabyte)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert re.search(rf"writing {re.escape(str(out / 'checkpoint-4'))} failed \(.+\); '{re.escape(str(out))}' has "
+                     rf"\d+ MB free and about \d+ MB are needed: free some space \(or make the folder writable again\) "
+                     rf"and go on from {re.escape(str(out / 'checkpoint-3'))}, the last good checkpoint, with --resume "
+                     r"auto\.$", result.stderr.strip())
+    assert sorted(os.listdir(out)) == ["args.json", "checkpoint-3", "metrics.jsonl"]  # no checkpoint-4.tmp
+    assert rloo.checkpoint_damage(str(out / "checkpoint-3")) is None
