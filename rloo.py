@@ -1079,12 +1079,10 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
-@functools.cache  # a user's file is run once, when the arguments are checked
 def load_reward_fn(spec):
     """The rule reward of --reward_fn (None without one): a built-in name, or the user's own function as
     path/to/file.py:function or package.module:function, called as the built-ins are: the responses' texts and the
     rows' answers (None where a row has none) in, one float per response out. Checked before any model loads."""
-    import importlib.util
     import inspect
 
     if spec is None or spec in REWARD_FNS:
@@ -1096,12 +1094,7 @@ def load_reward_fn(spec):
     if where.endswith(".py") and not os.path.isfile(where):
         raise SystemExit(f"--reward_fn {spec}: the file '{where}' does not exist; pass the path of a Python file.")
     try:
-        if where.endswith(".py"):
-            found = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
-            module = importlib.util.module_from_spec(found)
-            found.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
+        module = reward_module(where)
     except Exception as e:
         raise SystemExit(f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or "
                          "check the module's name and that it is importable from here.")
@@ -1117,6 +1110,19 @@ def load_reward_fn(spec):
     except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
         pass
     return fn
+
+
+@functools.cache  # a user's file is run once, when the arguments are checked, and the same module used after
+def reward_module(where):
+    """The module of a user's reward function: a Python file's path, or an importable module's name."""
+    import importlib.util
+
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    found = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    return module
 
 
 def call_reward_fn(reward_fn, texts, answers):
