@@ -649,14 +649,6 @@ def check_model_path(path, kind, what):
     except (OSError, ValueError) as e:
         raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
                          "written by save_pretrained or a hub model name.")
-    if os.path.isdir(path):  # a local folder: the weights (and a policy's tokenizer) must be there too
-        files = os.listdir(path)
-        if not any(f.endswith((".safetensors", ".bin")) for f in files):
-            raise SystemExit(f"{what} '{path}' holds a config but no weights (no *.safetensors or *.bin file); pass a "
-                             "folder written by save_pretrained.")
-        if kind == "causal" and not any(f in files for f in ("tokenizer.json", "tokenizer_config.json")):
-            raise SystemExit(f"{what} '{path}' has no tokenizer (no tokenizer.json or tokenizer_config.json); save "
-                             "the tokenizer beside the model with tokenizer.save_pretrained.")
     archs = config.architectures or []
     found = archs or config.model_type
     if kind == "causal" and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT-2: LMHeadModel
@@ -668,6 +660,14 @@ def check_model_path(path, kind, what):
     if kind == "classifier" and getattr(config, "num_labels", 1) != 1:
         raise SystemExit(f"{what} '{path}' has {config.num_labels} labels; a reward model needs exactly one "
                          "(num_labels=1).")
+    if os.path.isdir(path):  # a local folder: the weights (and a policy's tokenizer) must be there too
+        files = os.listdir(path)
+        if not any(f.endswith((".safetensors", ".bin")) for f in files):
+            raise SystemExit(f"{what} '{path}' holds a config but no weights (no *.safetensors or *.bin file); pass a "
+                             "folder written by save_pretrained.")
+        if kind == "causal" and not any(f in files for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise SystemExit(f"{what} '{path}' has no tokenizer (no tokenizer.json or tokenizer_config.json); save "
+                             "the tokenizer beside the model with tokenizer.save_pretrained.")
 
 
 def load_model(model_class, path, args, device, trained, **kwargs):

@@ -338,9 +338,11 @@ def test_response_logprobs_equal_plain_torch():
         logits = policy(input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=ppo.position_ids_from(attention_mask)).logits.double()
         plain = torch.log_softmax(logits[:, P - 1 : -1] / 0.7, -1)
-    torch.testing.assert_close(logp.double(), plain.gather(-1, input_ids[:, P:, None]).squeeze(-1),
+    valid = attention_mask[:, P:].bool()  # positions past a row's end (here: its left padding) are exactly 0
+    expected = torch.where(valid, plain.gather(-1, input_ids[:, P:, None]).squeeze(-1), 0.0)
+    torch.testing.assert_close(logp.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy.double(), torch.where(valid, -(plain.exp() * plain).sum(-1), 0.0),
                                atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy.double(), -(plain.exp() * plain).sum(-1), atol=1e-5, rtol=1e-5)
 
 
 def test_reward_head_is_padding_invariant():
