@@ -883,7 +883,7 @@ def pad_responses(responses, logprobs, response_mask, pad_token_id):
 
 
 # >>> shared: static cache and CUDA graphs
-STATIC_DECODERS = {}  # (policy, shape, sampling) -> StaticDecoder: kept from call to call, a handful in a run
+STATIC_DECODERS = {}  # (policy, shape) -> StaticDecoder: kept from call to call, a handful in a run
 
 
 def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms,
@@ -891,16 +891,16 @@ def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperatur
     """generate's decode steps at the GPU's pace (--decode static or cuda_graph), from its prefill (the cache and the
     last position's logits): the same draws, log-probs and stops over buffers of fixed shape, a StaticDecoder's. The
     cache holds the prompt width plus max_new_tokens rounded up to a multiple of 64, so that a run meets a handful of
-    shapes (training's, evaluation's, a few prompt widths), each set up (and captured) once and then reused."""
+    shapes (training's, evaluation's, a few prompt widths), each set up once and then reused, and captured once for
+    each (temperature, greedy or sampled)."""
     B, P = prompt_mask.shape
     width = -(-(P + max_new_tokens) // 64) * 64
     stop_ids = torch.as_tensor(stop_ids, device=logits.device).view(-1)  # (S,), from one id too
-    graph = decode == "cuda_graph" and logits.is_cuda
-    key = (policy, B, width, max_new_tokens, temperature, pad_token_id, len(stop_ids), uniforms is None, graph)
+    graphs = decode == "cuda_graph" and logits.is_cuda
+    key = (policy, B, width, max_new_tokens, pad_token_id, len(stop_ids), graphs)
     if key not in STATIC_DECODERS:
-        STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, max_new_tokens, temperature, pad_token_id,
-                                             stop_ids, uniforms is None, graph)
-    responses = STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, stop_ids)
+        STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs)
+    responses = STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, stop_ids, temperature)
     hold_full_parameters(policy, False)
     return responses
 
@@ -914,13 +914,14 @@ class StaticDecoder:
     a compilation per shape and its guards). The stop test, a host sync, runs every 8 steps on CUDA (every step on
     the CPU, where a sync costs nothing); a row that has stopped is fed pad tokens meanwhile, and the outputs are cut
     after the last step in which a row was live, where the dynamic loop stops. Its tokens and log-probs equal the
-    dynamic loop's to rounding: attention also reads the cache's unused columns, each with a weight of exactly 0."""
+    dynamic loop's to rounding: attention also reads the cache's unused columns, each with a weight of exactly 0.
+    The price is memory held between rollouts, through training: the cache (B x width x layers x 2 x KV heads x head
+    size x bytes) and each graph's pool of intermediates (README, Memory)."""
 
-    def __init__(self, policy, logits, width, max_new_tokens, temperature, pad_token_id, stop_ids, greedy, graph):
+    def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
         B, device = logits.shape[0], logits.device
         self.cache = StaticCache(config=policy.config, max_cache_len=width)
-        self.temperature, self.pad_token_id, self.greedy = temperature, pad_token_id, greedy
-        self.capture, self.graph = graph, None  # captured at the first call's first step
+        self.pad_token_id, self.capture, self.graphs = pad_token_id, graphs, {}  # (temperature, greedy) -> graph
         self.logits = torch.zeros_like(logits)  # (B, V) those the next token is drawn from
         self.stop_ids = torch.zeros_like(stop_ids)
         self.draws = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
@@ -933,10 +934,10 @@ class StaticDecoder:
         self.logprobs = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
         self.masks = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # (B, T)
 
-    def run(self, policy, cache, logits, prompt_mask, uniforms, stop_ids):
+    def run(self, policy, cache, logits, prompt_mask, uniforms, stop_ids, temperature):
         """The steps from generate's prefill on, for prompts (B, P); returns what generate returns."""
         P = prompt_mask.shape[1]
-        self.cache.reset()  # in place: the captured step reads these very tensors
+        self.cache.reset()  # in place: the captured steps read these very tensors
         for i, layer in enumerate(cache.layers):  # the prompt's keys and values fill the first P columns
             self.cache.update(layer.keys, layer.values, i)
         self.logits.copy_(logits)
@@ -949,38 +950,38 @@ class StaticDecoder:
         self.step.zero_(), self.column.fill_(P), self.done.zero_()
         every = 8 if logits.is_cuda else 1
         for step in range(self.tokens.shape[1]):
-            self.advance(policy)
+            self.advance(policy, (temperature, uniforms is None))
             if (step + 1) % every == 0 and self.done.all():
                 break
         T = int(self.masks[:, : step + 1].sum(1).max())  # the dynamic loop stops after the last live row's stop
         return self.tokens[:, :T].clone(), self.logprobs[:, :T].clone(), self.masks[:, :T].long()
 
-    def advance(self, policy):
-        """One step: replayed where it was captured; else run op by op, and captured after the first such run."""
-        if self.graph is not None:
-            return self.graph.replay()
-        if not self.capture:
-            return self.step_once(policy)
+    def advance(self, policy, sampling):
+        """One step: replayed where it was captured, else run op by op (on CUDA, captured after its first run)."""
+        if self.graphs.get(sampling) is not None:
+            return self.graphs[sampling].replay()
+        if not self.capture or sampling in self.graphs:  # no capture here, or it failed
+            return self.step_once(policy, *sampling)
         # The first step runs op by op on the stream the capture uses (compiling the Triton kernels, setting up
         # cuBLAS there), then the step is captured, which runs nothing: the state stays that after one step.
-        self.capture, stream = False, torch.cuda.Stream()
+        stream, self.graphs[sampling] = torch.cuda.Stream(), None
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.step_once(policy)
+            self.step_once(policy, *sampling)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=stream):
-                self.step_once(policy)
-            self.graph = graph
+                self.step_once(policy, *sampling)
+            self.graphs[sampling] = graph
         except RuntimeError as e:  # a layer that reads a value on the host (a routed MoE's expert list, say)
             warnings.warn(f"the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); it runs "
-                          "op by op (--decode static).")
+                          "op by op, as with --decode static.")
 
-    def step_once(self, policy):
+    def step_once(self, policy, temperature, greedy):
         """Draw every row's token t, record it, and feed it to the policy: the body of generate's loop."""
-        draws = None if self.greedy else self.draws.index_select(1, self.step)[:, 0]  # (B,)
-        token, logprob = sample_token(self.logits, draws, self.temperature)
+        draws = None if greedy else self.draws.index_select(1, self.step)[:, 0]  # (B,)
+        token, logprob = sample_token(self.logits, draws, temperature)
         fed = torch.where(self.done, self.pad_token_id, token)  # (B,) pad tokens after a row's stop
         self.masks.index_copy_(1, self.step, ~self.done[:, None])
         self.tokens.index_copy_(1, self.step, fed[:, None])
