@@ -138,7 +138,7 @@ class Args:
     """sampling temperature; the log-probs of training and KL use the same temperature"""
     decode: Literal["auto", "dynamic", "static", "cuda_graph"] = "auto"
     """sampling's KV cache: grown by a token a step (dynamic), or of fixed shape (static), each step a CUDA graph
-    (cuda_graph); auto: cuda_graph on one GPU, static under torchrun, dynamic on the CPU"""
+    (cuda_graph); auto: cuda_graph on a GPU without torchrun, dynamic elsewhere"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score (after any normalisation) of a response that ends without EOS (or the chat
     template's end of turn)"""
@@ -792,22 +792,23 @@ def pad_responses(responses, logprobs, response_mask, pad_token_id):
 
 
 # >>> shared: static cache and CUDA graphs
-STATIC_DECODERS = {}  # (policy, shape) -> StaticDecoder: kept from call to call, a handful in a run
+STATIC_DECODERS = {}  # (policy, batch, sampling settings) -> StaticDecoder, kept from call to call
 
 
 def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms,
                   decode):
     """generate's decode steps at the GPU's pace (--decode static or cuda_graph), from its prefill (the cache and the
-    last position's logits): the same draws, log-probs and stops over buffers of fixed shape, a StaticDecoder's. The
-    cache holds the prompt width plus max_new_tokens rounded up to a multiple of 64, so that a run meets a handful of
-    shapes (training's, evaluation's, a few prompt widths), each set up once and then reused, and captured once for
-    each (temperature, greedy or sampled)."""
+    last position's logits): the same draws, log-probs and stops over buffers of fixed shape, a StaticDecoder's. One
+    is kept for each batch size (training's, evaluation's), as wide as the widest prompts it has met plus
+    max_new_tokens, rounded up to a multiple of 64: it is set up again (and captured again, once for each temperature
+    and for greedy) only when a batch of longer prompts comes, a handful of times in a run."""
     B, P = prompt_mask.shape
-    width = -(-(P + max_new_tokens) // 64) * 64
     stop_ids = torch.as_tensor(stop_ids, device=logits.device).view(-1)  # (S,), from one id too
     graphs = decode == "cuda_graph" and logits.is_cuda
-    key = (policy, B, width, max_new_tokens, pad_token_id, len(stop_ids), graphs)
-    if key not in STATIC_DECODERS:
+    key = (policy, B, max_new_tokens, pad_token_id, len(stop_ids), graphs)
+    if key not in STATIC_DECODERS or STATIC_DECODERS[key].width < P + max_new_tokens:
+        STATIC_DECODERS.pop(key, None)  # the narrower one's memory goes before the wider one's comes
+        width = -(-(P + max_new_tokens) // 64) * 64
         STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs)
     responses = STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, stop_ids, temperature)
     hold_full_parameters(policy, False)
@@ -824,12 +825,13 @@ class StaticDecoder:
     the CPU, where a sync costs nothing); a row that has stopped is fed pad tokens meanwhile, and the outputs are cut
     after the last step in which a row was live, where the dynamic loop stops. Its tokens and log-probs equal the
     dynamic loop's to rounding: attention also reads the cache's unused columns, each with a weight of exactly 0.
-    The price is memory held between rollouts, through training: the cache (B x width x layers x 2 x KV heads x head
-    size x bytes) and each graph's pool of intermediates (README, Memory)."""
+    The price: those columns are read at every step (about 1.5x the dynamic cache's reads when the responses are
+    much longer than the prompts), and memory held between rollouts, through training: the cache (B x width x layers
+    x 2 x KV heads x head size x bytes) and each graph's pool of intermediates (README, Memory)."""
 
     def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
         B, device = logits.shape[0], logits.device
-        self.cache = StaticCache(config=policy.config, max_cache_len=width)
+        self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
         self.pad_token_id, self.capture, self.graphs = pad_token_id, graphs, {}  # (temperature, greedy) -> graph
         self.logits = torch.zeros_like(logits)  # (B, V) those the next token is drawn from
         self.stop_ids = torch.zeros_like(stop_ids)
@@ -895,7 +897,7 @@ class StaticDecoder:
         self.masks.index_copy_(1, self.step, ~self.done[:, None])
         self.tokens.index_copy_(1, self.step, fed[:, None])
         self.logprobs.index_copy_(1, self.step, torch.where(self.done, 0.0, logprob)[:, None])
-        self.done |= torch.isin(token, self.stop_ids)
+        self.done |= (token[:, None] == self.stop_ids).any(-1)  # isin, without the sort a capture may not hold
         self.attention_mask.index_fill_(1, self.column, 1)
         out = policy(input_ids=fed[:, None], attention_mask=self.attention_mask, position_ids=self.position,
                      cache=self.cache, use_cache=True)
@@ -1235,9 +1237,12 @@ def check_common_args(args, responses_per_iteration):
         raise SystemExit(f"unknown --reward_fn '{args.reward_fn}'; choose one of {sorted(REWARD_FNS)}.")
     if args.model_dtype not in ("float32", "bfloat16", "float16"):
         raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
-    if args.decode == "auto":  # a CUDA graph where one can be captured: FSDP2's hooks (under torchrun) sync streams
-        args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else (
-            "static" if torch.cuda.is_available() else "dynamic")
+    # --decode auto: a CUDA graph where one can be captured, which is not under torchrun (FSDP2's forward hooks sync
+    # streams); elsewhere the dynamic loop, since the static one alone holds its cache through training and gains
+    # little: on the CPU 1.0x to 1.2x, torch.compile of its step 1.1x to 1.35x after 6 to 39 s of compilation per
+    # shape, on under a tenth of an iteration (bench/generate.md); the default CPU runs stay as they were, bitwise
+    if args.decode == "auto":
+        args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
     if args.decode == "cuda_graph" and (not torch.cuda.is_available() or dist.is_initialized()):
         raise SystemExit("--decode cuda_graph needs a GPU and one process (FSDP2's hooks under torchrun cannot be "
                          "captured in a CUDA graph); pass --decode static.")

@@ -107,8 +107,10 @@ def make_prompts(batch, prompt_len, vocab_size, pad, device, seed=0):
 
 # ----------------------------------------------------------------------------------------------- methods
 def run_scripts(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None, decode="dynamic"):
-    """`generate` with --decode `decode`: its (tokens, log-probs); fresh uniforms unless given (or greedy)."""
-    if uniforms is None and not greedy:
+    """`generate` with --decode `decode`: its (tokens, log-probs); greedy, else from the uniforms given or fresh."""
+    if greedy:
+        uniforms = None
+    elif uniforms is None:
         uniforms = torch.rand(ids.shape[0], n, device=ids.device)
     return generate(model, ids, mask, n, temperature, NEVER, pad, uniforms, decode)[:2]
 

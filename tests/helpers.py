@@ -28,11 +28,12 @@ def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_s
     """generate with --decode static (StaticDecoder's buffers of fixed shape) gives the dynamic loop's tokens and
     response masks, and its log-probs within 1e-6, on left-padded prompts of different lengths, sampled at T = 0.7
     and 1 (uniforms of 0 draw token 0, the EOS, so that rows stop at different steps) and greedily; the second batch
-    (another prompt width, the same cache width) reuses the first's buffers. Run the policy in float64: in float32
+    (another prompt width, the same cache width) reuses the first's buffers, the third (prompts of 60 tokens) needs
+    a wider cache, which replaces the first (one decoder per batch size). Run the policy in float64: in float32
     the static cache's attention, which also reads its unused columns (each with a weight of exactly 0), sums in
     another order, and the log-probs differ by rounding, about 1e-5 (as a teacher-forced pass differs from them)."""
     g = torch.Generator().manual_seed(1)
-    for lengths in ([1, 5, 3, 8, 2, 6], [4, 2, 9, 1, 3, 7]):
+    for lengths in ([1, 5, 3, 8, 2, 6], [4, 2, 9, 1, 3, 7], [60, 3, 5, 1, 2, 7]):
         prompts = [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in lengths]
         prompt_ids, prompt_mask = ppo.left_pad(prompts, pad_token_id, "cpu")
         uniforms = torch.rand(6, 10, generator=g)
@@ -47,3 +48,5 @@ def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_s
                 torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=0)
                 if draws is not None:  # rows stop at different steps
                     assert len(set(expected[2].sum(1).tolist())) > 2
+        widths = [decoder.width for key, decoder in ppo.STATIC_DECODERS.items() if key[0] is policy]
+        assert widths == [64 if max(lengths) < 54 else 128]
