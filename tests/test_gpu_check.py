@@ -90,7 +90,7 @@ def test_the_targets_are_read_off_the_tables(tmp_path):
             ("tiny", 256, "30.00x", "yes, no")]
     table = tmp_path / "generation.md"
     table.write_text("\n".join([header, "|---|" * 12] + [
-        f"| {model} | {batch} | 128 | cuda-graph | 1.0 | 1 | {speedup} | 1.00x | no, yes | 1.0e-02 | {eager} | 0.0e+00 |"
+        f"| {model} | {batch} | 128 | cuda-graph | 1.0 | 1 | {speedup} | 1.00x | no, yes | 1.0e-02 | {eager} | 0 |"
         for model, batch, speedup, eager in rows]))
     ctx = {"device": "cuda", "generation": gpu_check.bench_table(table), "ppo.py": 0.55}
     met = [m for _, _, m in gpu_check.targets(ctx)]
