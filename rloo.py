@@ -391,7 +391,9 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     sampled from (logprobs_old). Left-padded prompts (B, P); a sequence stops at its first stop token (stop_ids:
     EOS and any end-of-turn token), after which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and
     response_mask (B, T), the mask covering every token up to and including the EOS. Token t of row b is drawn by
-    uniforms[b, t] (B, max_new_tokens), drawn beforehand, so that no response depends on its batch or process."""
+    uniforms[b, t] (B, max_new_tokens), drawn beforehand, so that no response depends on its batch or process;
+    without uniforms, greedily (for evaluation). decode (--decode): "dynamic", the loop below; "static" or
+    "cuda_graph", the same steps at the GPU's pace (static_decode, below the banner)."""
     B = prompt_ids.shape[0]
     hold_full_parameters(policy, True)
     cache = DynamicCache()
@@ -402,7 +404,7 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                     use_cache=True, logits_to_keep=1).logits[:, -1]
     next_position = positions[:, -1:] + 1  # (B, 1)
-    if decode != "dynamic":  # --decode static / cuda_graph: the steps below over buffers of fixed shape (GPU pace)
+    if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
         return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
                              uniforms, decode)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
