@@ -1,9 +1,17 @@
-"""Sampling throughput: ppo.py's `generate` against transformers' `model.generate` and a loop without a KV cache.
+"""Sampling throughput: ppo.py's `generate` (its three --decode loops) against transformers' `model.generate` and a
+loop without a KV cache.
 
 Methods (the same distribution in each: softmax(logits / T); left-padded prompts):
-  scripts      `generate` of ppo.py (shared with grpo.py and rloo.py): KV cache, sampling by inverse CDF from uniforms
-               drawn beforehand (one row per sequence), and the log-prob of each sampled token (token_logprobs), which
-               the other two do not compute.
+  scripts      `generate` of ppo.py (shared with grpo.py and rloo.py), --decode dynamic (the old loop, the CPU's
+               default): a KV cache grown by a token a step, sampling by inverse CDF from uniforms drawn beforehand (one
+               row per sequence), and the log-prob of each sampled token (token_logprobs), which hf-generate and
+               no-cache do not compute.
+  static       `generate`, --decode static: the same steps over buffers of fixed shape (StaticDecoder), run op by op.
+  cuda-graph   `generate`, --decode cuda_graph: static, each decode step replayed as a CUDA graph (CUDA only; the
+               default on one GPU).
+  compiled     static, with the decode step compiled by torch.compile (mode "reduce-overhead" on CUDA, which captures
+               CUDA graphs itself; inductor's default on the CPU). Not run by default: each shape compiles for tens of
+               seconds (its first call, the warm-up, is left out of the timing and printed under the table).
   hf-generate  model.generate(do_sample=True, temperature=T, top_k=0, top_p=1.0, use_cache=True). top_k=0 turns
                off transformers' default top-k of 50; with T = 1 no logits processor runs at all, otherwise only
                TemperatureLogitsWarper (the division by T that the others do too).
@@ -12,7 +20,17 @@ The other two sample with torch.multinomial, so their tokens differ from the scr
 Every method generates exactly N tokens for every row: EOS is never sampled. `generate` gets stop_ids=-1 (no
 token equals it), model.generate gets eos_token_id=None, which in transformers 5.x leaves only the max-length
 stopping criterion (no min_new_tokens, which would add a processor that masks the EOS logit); no-cache has no stop.
-Tokens/s counts generated positions: batch x new tokens / seconds (the prefill is inside the timing).
+Tokens/s counts generated positions: batch x new tokens / seconds (the prefill is inside the timing). The static
+loops test the stop every 8 steps on CUDA, so they may run up to 7 steps past the last stop; with no stop token
+they run exactly N, like the others.
+
+"same tokens" checks each --decode loop (and compiled) against scripts in the cell, from the same uniforms and
+greedy (T -> 0), with the log-probs' largest difference: the static cache's attention also reads its unused columns
+(weight 0), which reorders the sums, so in fp32 the log-probs differ by ~1e-5 and a token can flip where two are that
+close (a near tie, or a uniform that close to a boundary of the cumulative distribution): 256 x 64 on the CPU had
+one. "same as static, op by op" checks cuda-graph and compiled against the static loop run op by op, the same kernels
+on the same shapes: there the tokens must be the same, and the log-probs equal to the bit unless compiled code fuses
+them otherwise.
 
 Prompts are random token ids (ids >= 2, so never the tiny model's EOS 0 or pad 1), the same for every method of a
 cell: row 0 has --prompt-len real tokens, the others between half and all of it, left-padded. Models: `tiny` is
@@ -23,12 +41,15 @@ call each first), so machine noise hits all.
 On CUDA the "decode limit" is the time the N decode steps need at least if each step only reads the weights and
 the KV cache at the mean context length (prompt + N / 2) once, at the measured device-to-device copy bandwidth;
 "of limit" is that time over the measured one. "peak GB" is torch.cuda.max_memory_allocated over a method's calls in
-the cell, weights included.
+the cell, weights included; "held GB" is what the static loops keep between calls (their StaticDecoder: the cache,
+the buffers and the CUDA graph's memory pool), the growth of torch.cuda.memory_reserved over their first call.
 
     python bench/bench_generate.py --quick --device cpu                # smoke test, seconds
     python bench/bench_generate.py --models tiny --batches 64,256 --new-tokens 24,64 --repeats 3 --out /tmp/gen_cpu.md
     python bench/bench_generate.py --dtype bfloat16 --out bench/generate.md   # CUDA: both models, the full grid
     python bench/bench_generate.py --models tiny --batches 64 --new-tokens 24 --methods scripts --breakdown
+    python bench/bench_generate.py --device cpu --models tiny --batches 64,256 --new-tokens 24,64 \
+        --methods scripts,static,compiled,hf-generate --repeats 5        # the CPU's choice of loop (bench/generate.md)
 """
 import argparse
 import contextlib
@@ -48,6 +69,7 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
+import ppo  # noqa: E402
 from ppo import generate, position_ids_from  # noqa: E402
 from rlhf_kernels import token_logprobs  # noqa: E402
 
@@ -84,16 +106,53 @@ def make_prompts(batch, prompt_len, vocab_size, pad, device, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------- methods
-def run_scripts(model, ids, mask, n, temperature, pad, greedy=False):
-    uniforms = None if greedy else torch.rand(ids.shape[0], n, device=ids.device)
-    return generate(model, ids, mask, n, temperature, NEVER, pad, uniforms)[0]
+def run_scripts(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None, decode="dynamic"):
+    """`generate` with --decode `decode`: its (tokens, log-probs); greedy, else from the uniforms given or fresh."""
+    if greedy:
+        uniforms = None
+    elif uniforms is None:
+        uniforms = torch.rand(ids.shape[0], n, device=ids.device)
+    return generate(model, ids, mask, n, temperature, NEVER, pad, uniforms, decode)[:2]
+
+
+def run_static(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None):
+    return run_scripts(model, ids, mask, n, temperature, pad, greedy, uniforms, "static")
+
+
+def run_cuda_graph(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None):
+    return run_scripts(model, ids, mask, n, temperature, pad, greedy, uniforms, "cuda_graph")
+
+
+class CompiledDecoder(ppo.StaticDecoder):
+    """A StaticDecoder whose decode step is compiled by torch.compile, once per shape (at its first step). Its buffers
+    are marked as static addresses, as transformers marks the StaticCache's, so that reduce-overhead may capture."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        for buffer in vars(self).values():
+            if isinstance(buffer, torch.Tensor):
+                torch._dynamo.mark_static_address(buffer)
+        self.step_once = torch.compile(self.step_once, mode="reduce-overhead" if self.logits.is_cuda else None)
+
+
+COMPILED_DECODERS = {}  # the compiled method's own decoders (the static method keeps ppo.STATIC_DECODERS)
+
+
+def run_compiled(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None):
+    """The static loop over CompiledDecoders: ppo's decoder class and table are swapped for the call."""
+    kept = ppo.STATIC_DECODERS, ppo.StaticDecoder
+    ppo.STATIC_DECODERS, ppo.StaticDecoder = COMPILED_DECODERS, CompiledDecoder
+    try:
+        return run_static(model, ids, mask, n, temperature, pad, greedy, uniforms)
+    finally:
+        ppo.STATIC_DECODERS, ppo.StaticDecoder = kept
 
 
 def run_hf(model, ids, mask, n, temperature, pad, greedy=False):
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=pad,
                          use_cache=True, **sampling)
-    return out[:, ids.shape[1]:]
+    return out[:, ids.shape[1]:], None
 
 
 @torch.no_grad()
@@ -105,10 +164,12 @@ def run_no_cache(model, ids, mask, n, temperature, pad, greedy=False):
         token = probs.argmax(-1) if greedy else torch.multinomial(probs, 1).squeeze(-1)
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return ids[:, -n:]
+    return ids[:, -n:], None
 
 
-METHODS = {"scripts": run_scripts, "hf-generate": run_hf, "no-cache": run_no_cache}
+METHODS = {"scripts": run_scripts, "static": run_static, "cuda-graph": run_cuda_graph, "compiled": run_compiled,
+           "hf-generate": run_hf, "no-cache": run_no_cache}
+DECODE_LOOPS = ("static", "cuda-graph", "compiled")  # checked against scripts: same uniforms, same tokens
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -217,7 +278,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per method and cell (the median is reported)")
-    p.add_argument("--methods", default="scripts,hf-generate,no-cache")
+    p.add_argument("--methods", default="scripts,static,cuda-graph,hf-generate,no-cache",
+                   help=f"some of {','.join(METHODS)} (cuda-graph: CUDA only, left out elsewhere)")
     p.add_argument("--skip-no-cache-above", type=int, default=128, help="skip no-cache when new tokens > this")
     p.add_argument("--breakdown", action="store_true", help="also time the parts of the scripts' loop, first cell")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model, batch 4, 8 new tokens, 1 repeat")
@@ -248,9 +310,11 @@ def main(argv=None):
     bandwidth = copy_bandwidth(device) if cuda else None
     if cuda:
         lines.append(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + written)")
-    lines += ["", "| model | batch | new tokens | method | median s | tokens/s | vs hf-generate | "
-              + ("peak GB | " if cuda else "") + "decode limit s | of limit |",
-              "|---|---:|---:|---|---:|---:|---:|" + ("---:|" if cuda else "") + "---:|---:|"]
+    lines += ["", "| model | batch | new tokens | method | median s | tokens/s | vs scripts | vs hf-generate | "
+              "same tokens (sampled, greedy) | max abs logp diff | same as static, op by op | its max abs logp diff | "
+              + ("peak GB | held GB | " if cuda else "") + "decode limit s | of limit |",
+              "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|" + ("---:|---:|" if cuda else "")
+              + "---:|---:|"]
     print("\n".join(lines), flush=True)
 
     def emit(*new):
@@ -261,16 +325,22 @@ def main(argv=None):
             with open(a.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
 
-    breakdown = None
+    breakdown, notes = None, []
     for model_name in a.models:
         model, pad = load_model(model_name, dtype, device)
         for batch in a.batches:
             for n in a.new_tokens:
                 ids, mask = make_prompts(batch, a.prompt_len, model.config.vocab_size, pad, device)
-                methods = [m for m in a.methods if not (m == "no-cache" and n > a.skip_no_cache_above)]
-                seconds, peak = defaultdict(list), {}
-                for m in methods:  # warm-up
-                    timed(lambda: METHODS[m](model, ids, mask, n, a.temperature, pad), device)
+                methods = [m for m in a.methods if not (m == "no-cache" and n > a.skip_no_cache_above)
+                           and not (m == "cuda-graph" and not cuda)]
+                seconds, peak, held = defaultdict(list), {}, {}
+                for m in methods:  # warm-up: the static loops set up (capture, compile) and keep their decoders
+                    reserved = torch.cuda.memory_reserved(device) if cuda else 0
+                    first = timed(lambda: METHODS[m](model, ids, mask, n, a.temperature, pad), device)
+                    held[m] = (torch.cuda.memory_reserved(device) - reserved) / 2**30 if cuda else 0
+                    if m == "compiled":
+                        notes.append(f"compiled, {model_name} {batch} x {n}: first call (compilation) {first:.1f} s")
+                same = agreement(model, ids, mask, n, a.temperature, pad, methods, device)
                 for _ in range(a.repeats):
                     for m in methods:
                         if cuda:
@@ -281,21 +351,63 @@ def main(argv=None):
                 median = {m: statistics.median(s) for m, s in seconds.items()}
                 limit = n * decode_bytes(model, batch, a.prompt_len + n / 2) / bandwidth if cuda else None
                 for m in methods:
-                    ratio = f"{median['hf-generate'] / median[m]:.2f}x" if "hf-generate" in median else "n/a"
+                    ratios = [f"{median[ref] / median[m]:.2f}x" if ref in median else "n/a"
+                              for ref in ("scripts", "hf-generate")]
                     row = (f"| {model_name} | {batch} | {n} | {m} | {median[m]:.3f} | {batch * n / median[m]:,.0f} | "
-                           f"{ratio} | ")
-                    row += f"{peak[m]:.2f} | " if cuda else ""
+                           f"{' | '.join(ratios)} | {' | '.join(same.get(m, ('-',) * 4))} | ")
+                    row += f"{peak[m]:.2f} | {held[m]:.2f} | " if cuda else ""
                     row += f"{limit:.3f} | {100 * limit / median[m]:.0f}% |" if cuda else "n/a | n/a |"
                     emit(row)
                 if a.breakdown and breakdown is None:
                     breakdown = part_table(
                         model, model_name, batch, n, ids, mask, pad, a, device, median.get("scripts")
                     )
+                forget_decoders(cuda)
         model = None  # free it before the next one loads
         if cuda:
             torch.cuda.empty_cache()
+    if notes:
+        emit("", *notes)
     if breakdown:
         emit("", *breakdown)
+
+
+def agreement(model, ids, mask, n, temperature, pad, methods, device):
+    """For each --decode loop among methods: whether its tokens equal those of scripts (the dynamic loop) from the same
+    uniforms and greedily ("yes"/"no" for each), with the largest |log-prob difference| where they agree; and for
+    cuda-graph and compiled, whether they equal the static loop's run op by op ("the eager path": the same kernels on
+    the same shapes, so the same tokens and log-probs to the bit, where the dynamic loop's attention sums over fewer
+    columns)."""
+    uniforms = torch.rand(ids.shape[0], n, generator=torch.Generator().manual_seed(1)).to(device)
+    calls = {}
+
+    def tokens(method, greedy):
+        if (method, greedy) not in calls:
+            calls[method, greedy] = METHODS[method](model, ids, mask, n, temperature, pad, greedy, uniforms)
+        return calls[method, greedy]
+
+    def compare(method, reference):
+        verdicts, worst = [], 0.0
+        for greedy in (False, True):
+            got, expected = tokens(method, greedy), tokens(reference, greedy)
+            equal = got[0].shape == expected[0].shape and torch.equal(got[0], expected[0])
+            verdicts.append("yes" if equal else "no")
+            if equal:
+                worst = max(worst, (got[1] - expected[1]).abs().max().item())
+        return ", ".join(verdicts), f"{worst:.1e}"
+
+    return {m: (*compare(m, "scripts"), *(compare(m, "static") if m != "static" else ("-", "-")))
+            for m in methods if m in DECODE_LOOPS and "scripts" in methods}
+
+
+def forget_decoders(cuda):
+    """Drop the static loops' decoders (their caches, buffers and graphs) and compiled code before the next cell."""
+    ppo.STATIC_DECODERS.clear()
+    if COMPILED_DECODERS:
+        COMPILED_DECODERS.clear()
+        torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def part_table(model, model_name, batch, n, ids, mask, pad, a, device, untimed):

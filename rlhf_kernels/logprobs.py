@@ -29,6 +29,7 @@ def token_logprobs(
     mask=None,
     backend: str = "auto",
     inplace_backward: bool = False,
+    check_range: bool = True,
 ):
     """Log-probability of ``tokens`` under ``softmax(logits / temperature)``, without an fp32 (N, V) copy.
 
@@ -46,6 +47,10 @@ def token_logprobs(
         inplace_backward: let the backward write the gradient into the logits' buffer (saves one
             logits-sized allocation). Unsafe if anything else still needs those logits after the
             backward (the torch path and the version counter will usually make autograd raise).
+        check_range: check the token ids (the ValueError above). False skips the check, and with it the host
+            synchronisation, so that the call can be captured in a CUDA graph: only for ids known to lie in
+            range, such as tokens sampled from these very logits (an id outside reads another row, or memory
+            outside the buffer, on the Triton path).
 
     Returns:
         fp32 ``(...)`` log-probs, or ``(logp, entropy)`` when ``return_entropy``. Differentiable
@@ -66,7 +71,8 @@ def token_logprobs(
     if mask is not None:
         mask = mask.to(device=logits.device)
     # both backends gather the target logit unchecked: refuse ids outside [0, V) here (syncs once on CUDA)
-    check_token_range(tokens, mask, logits.shape[-1])
+    if check_range:
+        check_token_range(tokens, mask, logits.shape[-1])
 
     if backend == "auto":
         backend = "triton" if (logits.is_cuda and _triton_available()) else "torch"

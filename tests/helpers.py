@@ -1,9 +1,14 @@
-"""Running an algorithm file the way a user does: a subprocess, offline, with transformers' own hub-kernel default."""
+"""Running an algorithm file the way a user does: a subprocess, offline, with transformers' own hub-kernel default;
+and the check that generate's static decode loop samples what its dynamic loop samples."""
 import json
 import os
 import re
 import subprocess
 import sys
+
+import torch
+
+import ppo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,3 +45,30 @@ def readme_files(folder):
         with open(written[name], "w") as f:
             f.write(code)
     return written
+
+def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_size):
+    """generate with --decode static (StaticDecoder's buffers of fixed shape) gives the dynamic loop's tokens and
+    response masks, and its log-probs within 1e-6, on left-padded prompts of different lengths, sampled at T = 0.7
+    and 1 (uniforms of 0 draw token 0, the EOS, so that rows stop at different steps) and greedily; the second batch
+    (another prompt width, the same cache width) reuses the first's buffers, the third (prompts of 60 tokens) needs
+    a wider cache, which replaces the first (one decoder per batch size). Run the policy in float64: in float32
+    the static cache's attention, which also reads its unused columns (each with a weight of exactly 0), sums in
+    another order, and the log-probs differ by rounding, about 1e-5 (as a teacher-forced pass differs from them)."""
+    g = torch.Generator().manual_seed(1)
+    for lengths in ([1, 5, 3, 8, 2, 6], [4, 2, 9, 1, 3, 7], [60, 3, 5, 1, 2, 7]):
+        prompts = [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in lengths]
+        prompt_ids, prompt_mask = ppo.left_pad(prompts, pad_token_id, "cpu")
+        uniforms = torch.rand(6, 10, generator=g)
+        uniforms[0, 3] = uniforms[2, 0] = uniforms[3, 6] = 0.0
+        for temperature in (0.7, 1.0):
+            for draws in (uniforms, None):
+                expected = ppo.generate(policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id,
+                                        draws)
+                got = ppo.generate(policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id, draws,
+                                   "static")
+                assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+                torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=0)
+                if draws is not None:  # rows stop at different steps
+                    assert len(set(expected[2].sum(1).tolist())) > 2
+        widths = [decoder.width for key, decoder in ppo.STATIC_DECODERS.items() if key[0] is policy]
+        assert widths == [64 if max(lengths) < 54 else 128]

@@ -128,11 +128,13 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
 
 @pytest.mark.parametrize("script,flags", [("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
                                           ("ppo.py", ["--shared_backbone"]),
-                                          ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"])],
-                         ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora"])
+                                          ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
+                                          ("rloo.py", ["--decode", "static", "--lora_r", "4", "--lora_alpha", "8"])],
+                         ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora", "rloo-static-decode-lora"])
 def test_two_processes_compute_what_one_computes_with_lora_and_a_shared_backbone(script, flags, held_out, tmp_path):
     """The same agreement with adapters (peft's layers inside FSDP2's units, the reference as the policy with its
-    adapters off, the merged save gathered from the shards) and with the value head on the policy's sharded trunk."""
+    adapters off, the merged save gathered from the shards), with the value head on the policy's sharded trunk, and
+    with the static decode loop (its buffers of fixed shape, the policy held whole while it samples)."""
     one, two = tmp_path / "one", tmp_path / "two"
     rows_one, _ = run_script(script, one, *common(script, held_out), *flags)
     assert_rows_agree(run_torchrun(script, two, *common(script, held_out), *flags), rows_one)

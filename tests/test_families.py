@@ -9,6 +9,8 @@ saved without a tokenizer (an error for Llama, an empty tokenizer of the model's
 family this checks that
 - the log-probs recorded while sampling with a KV cache equal one teacher-forced forward over the finished
   sequences (left-padded prompts of different lengths, temperature 0.7), so that PPO's ratio is 1 before any update;
+- --decode static (the cache of fixed shape that CUDA graphs replay) samples the tokens the dynamic cache samples,
+  with the same log-probs (float64), at T = 0.7 and 1 and greedily, stopping where it stops;
 - the reward model's score at the last real token does not depend on the padding around the sequence;
 - a reward model saved without a tokenizer is given none, and so reads the policy's token ids;
 - ppo.py, grpo.py and rloo.py each run two iterations with the family's policy and reward model, and the policy they
@@ -22,7 +24,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 import ppo
-from helpers import ROOT, run_script
+from helpers import ROOT, assert_static_decode_matches_dynamic, run_script
 
 TOKENIZER = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
 # Every family gets the embedded tokenizer's vocabulary and special tokens (it has no BOS).
@@ -76,6 +78,13 @@ def test_sampled_logprobs_equal_teacher_forced(family):
         teacher_forced = ppo.response_logprobs(policy, input_ids, attention_mask, prompt_ids.shape[1], 0.7)
     valid = response_mask.bool()
     torch.testing.assert_close(teacher_forced[valid], logprobs_old[valid], atol=1e-5, rtol=0)
+
+
+def test_static_decode_samples_what_the_dynamic_loop_samples(family):
+    # the MoE's default grouped matrix products have no float64 kernel; its loop over the experts has
+    policy = AutoModelForCausalLM.from_pretrained(family[0], dtype=torch.float64, experts_implementation="eager")
+    policy.eval()
+    assert_static_decode_matches_dynamic(policy, PAD, torch.tensor([EOS]), len(TOKENIZER))
 
 
 def test_reward_head_is_padding_invariant(family):

@@ -320,6 +320,17 @@ def test_out_of_range_tokens(backend, bad):
         assert linear_token_logprobs(h, w, tok, mask=mask)[1, 2] == 0
 
 
+def test_check_range_false_skips_only_the_check(monkeypatch):
+    """check_range=False (for tokens sampled from the logits, so that a CUDA graph can hold the call) gives what the
+    checked call gives and never runs the check, the one host sync."""
+    from rlhf_kernels import logprobs
+
+    x, tok = rand_logits((4, 50), seed=19), rand_tokens((4,), 50)
+    checked = token_logprobs(x, tok, 0.7)
+    monkeypatch.setattr(logprobs, "check_token_range", lambda *a: pytest.fail("the range was checked"))
+    assert torch.equal(token_logprobs(x, tok, 0.7, check_range=False), checked)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_entropy_large_vocab_high_temperature(backend, dtype):

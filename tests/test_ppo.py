@@ -6,10 +6,11 @@ import os
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification)
 
 import ppo
-from helpers import run_script
+from helpers import assert_static_decode_matches_dynamic, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 0, 1
@@ -310,21 +311,54 @@ def test_sampling_follows_the_tempered_softmax():
     assert (frequency[probs < 1e-6] == 0).all()
 
 
-def test_a_response_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_response_does_not_depend_on_its_batch(decode):
     """Each row samples from its own uniforms: alone, or in another batch, it gets the same tokens (what makes a run
-    the same on any number of processes)."""
+    the same on any number of processes), with either decode loop."""
     torch.manual_seed(0)
     policy = LlamaForCausalLM(tiny_config()).eval()
     prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
     uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(2))
-    together = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, EOS, PAD, uniforms)
+    together = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, EOS, PAD, uniforms, decode)
     for b in range(6):
         width = int(prompt_mask[b].sum())
         alone = ppo.generate(policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], 10, 0.7, EOS,
-                             PAD, uniforms[b : b + 1])
+                             PAD, uniforms[b : b + 1], decode)
         n = alone[0].shape[1]
         assert torch.equal(alone[0][0], together[0][b, :n]) and (together[2][b, n:] == 0).all()
         torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_static_decode_samples_what_the_dynamic_loop_samples():
+    """On the embedded policy: in float64 the same tokens, masks and log-probs (within 1e-6; see the helper); in the
+    float32 the scripts run in, the same tokens here and log-probs within 2e-5 (rounding: the static cache's attention
+    sums over its unused columns too)."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
+    stop_ids = torch.tensor([tokenizer.eos_token_id])
+    assert tokenizer.eos_token_id == 0  # the helper's zero uniforms draw it
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), dtype=torch.float64)
+    assert_static_decode_matches_dynamic(policy.eval(), tokenizer.pad_token_id, stop_ids, len(tokenizer))
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")).eval()
+    prompt_ids, prompt_mask = left_padded_prompts([3, 17, 9, 24, 1, 12, 20, 5], len(tokenizer), seed=3)
+    uniforms = torch.rand(8, 24, generator=torch.Generator().manual_seed(3))
+    for temperature in (0.7, 1.0):
+        expected = ppo.generate(policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id,
+                                uniforms)
+        got = ppo.generate(policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id,
+                           uniforms, "static")
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+        torch.testing.assert_close(got[1], expected[1], atol=2e-5, rtol=0)
+
+
+def test_decode_auto_is_the_dynamic_loop_on_the_cpu(tmp_path):
+    """--decode auto picks the dynamic loop where there is no GPU (CUDA graphs need one; on the CPU the static loop
+    gains too little to give up the default runs as they were, bench/generate.md), and args.json records the choice."""
+    out = tmp_path / "run"
+    args = ppo.Args(output_dir=str(out))
+    ppo.validate(args)
+    assert args.decode == ("cuda_graph" if torch.cuda.is_available() else "dynamic")
+    ppo.Log(args, dict(elapsed=0.0, iteration=0), 0, None).file.close()
+    assert json.load(open(out / "args.json"))["decode"] == args.decode
 
 
 def test_response_logprobs_equal_plain_torch():
@@ -545,6 +579,21 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
     ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0).sum().neg().backward()
     # the value loss reached the trunk
     assert not torch.allclose(trunk_grad, policy.model.layers[0].mlp.up_proj.weight.grad)
+
+
+def test_a_run_with_the_static_decode_loop_is_the_same_run(tmp_path):
+    """ppo.py --decode static (evaluation included, sampled and greedy) samples the responses of the default dynamic
+    loop: what the tokens decide is equal, and the rest, through log-probs equal to rounding, agrees to 1e-4."""
+    _, static, _ = run_ppo(tmp_path / "static", "--decode", "static")
+    _, dynamic, _ = run_ppo(tmp_path / "dynamic")
+    assert [r["iteration"] for r in static] == [r["iteration"] for r in dynamic] == [0, 1, 2]
+    for a, b in zip(static, dynamic):
+        assert a.keys() == b.keys()
+        for k in a:
+            if k.startswith(("objective/score", "response/", "eval/")):
+                assert a[k] == b[k], k
+            elif not k.startswith(("time/", "memory/")):
+                assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-5), (k, a[k], b[k])
 
 
 def test_a_run_with_a_shared_backbone(tmp_path):

@@ -68,6 +68,25 @@ def test_mixed_precision_computes_in_bf16_over_float32_weights():
     assert not torch.equal(mixed, exact)
 
 
+@pytest.mark.parametrize("option", ["mixed_precision", "gradient_checkpointing"])
+def test_the_static_decode_loop_records_the_training_log_probs_with_the_option(option):
+    """--decode static through a forward under bf16 autocast (--mixed_precision) or with the blocks flagged for
+    recomputation (--gradient_checkpointing, which must not drop the cache while sampling): the log-probs recorded
+    while sampling are a teacher-forced pass's through the same model, so that the first ratio is 1 (to bf16's
+    rounding under autocast, about 1%)."""
+    policy = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(**{option: True}), "cpu", trained=True)
+    prompt_ids, prompt_mask = batch()
+    uniforms = torch.rand(3, 12, generator=torch.Generator().manual_seed(5))
+    responses, logprobs, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, 12, 0.7, torch.tensor([0]),
+                                                      1, uniforms, "static")
+    input_ids = torch.cat([prompt_ids, responses], 1)
+    with torch.no_grad():
+        teacher_forced = ppo.response_logprobs(policy, input_ids, torch.cat([prompt_mask, response_mask], 1),
+                                               prompt_ids.shape[1], 0.7)
+    tolerance = 2e-2 if option == "mixed_precision" else 2e-5
+    torch.testing.assert_close(teacher_forced * response_mask, logprobs, atol=tolerance, rtol=tolerance)
+
+
 def test_mixed_precision_refuses_bf16_master_weights():
     with pytest.raises(SystemExit, match="--mixed_precision keeps float32 master weights"):
         ppo.validate(replace(ppo.Args(), mixed_precision=True, model_dtype="bfloat16"))

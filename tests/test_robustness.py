@@ -422,7 +422,7 @@ COMMON_BAD = [
     (dict(resume="/nonexistent/checkpoint-3.tmp"), "is a save that was cut short \\(a .tmp folder, never finished\\)"),
     (dict(minibatch_size=8, micro_batch_size=3), "does not divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
-]
+] + ([] if torch.cuda.is_available() else [(dict(decode="cuda_graph"), "--decode cuda_graph needs a GPU")])
 GROUP_BAD = [
     (dict(num_generations=1), "--num_generations must be at least 2"),
     (dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2),

@@ -21,7 +21,7 @@ ALGORITHM = {"arguments", "batch statistics", "clipped surrogate", "forward pass
              "evaluate, alarms, log and save"}
 # The plumbing, below the banner: loading, data, FSDP2, rewards, checks, checkpoints, logging.
 PLUMBING = {"processes and the task", "loading", "FSDP2", "data", "rewards and evaluation", "checks and alarms",
-            "checkpoints, stop signals and bad steps", "dashboard and log"}
+            "checkpoints, stop signals and bad steps", "dashboard and log", "static cache and CUDA graphs"}
 BANNER = "# ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py"
 MAX_LINE = 120
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")

@@ -1,0 +1,344 @@
+"""Everything GPU-specific in one command: a session that is lent a GPU runs it once (at most 9 minutes) and gets
+one markdown report. Rows, in this order (a row that would not finish in the time left is skipped, and the report
+is rewritten after every row, so a run cut short keeps what it measured):
+
+  kernels      the compiled Triton kernel against its fp64 reference (tests/test_kernels.py -k cuda)
+  generation   bench_generate.py on the tiny model and the Qwen2.5-0.5B shape (random weights, bf16), 64 and 256
+               prompts x 128 new tokens: the old loop (--decode dynamic), the new one (cuda_graph) and model.generate,
+               alternating; the same tokens from the same uniforms and greedily; the memory the new loop keeps
+  recipe-mem   the new loop alone at the GRPO GSM8K recipe's shape (320 x 1,024): its time and memory
+  ppo          two PPO iterations at the 0.5B shape (random weights, bf16, 64 prompts x 128 tokens), old and new loop
+  grpo-gsm8k   two GRPO iterations at the GSM8K recipe's shapes (0.5B shape, --mixed_precision, LoRA r 32, 64 prompts x
+               5, 1,024 new tokens), old and new loop
+  torchrun     each script under torchrun --nproc_per_node=1 (NCCL, FSDP2, --decode static) with --mixed_precision for
+               three iterations saving a checkpoint each (DCP on CUDA), then resumed from the second: the resumed third
+               iteration against the uninterrupted one
+and the targets of the issue that asked for them (new loop >= 10x / 5x the old one's tokens per second at the 0.5B
+shape, 256 / 64 x 128; >= 10x on the tiny model; the same tokens; a PPO iteration <= 0.6x of the old one's time).
+
+The GPU machine's own torch, transformers and triton may be older than the lock's: the wheels it needs beyond its
+image are listed, with the command that fetches them, in bench/gpu_check_wheels.txt; gpu_check.sh installs them.
+
+    bash bench/gpu_check.sh                                   # on the GPU machine: the report to $OUT/gpu_check.md
+    python bench/gpu_check.py --device cpu --out /tmp/gpu_check_cpu.md   # every row on tiny shapes, a few minutes
+
+With --device cpu every row runs on tiny shapes (the 0.5B shape becomes memory_accounting.py's small one, 2 layers
+of width 64; the loops compared are dynamic and static, as CUDA graphs need CUDA; torchrun uses gloo): it checks that
+each step of the script runs, not any number. tests/test_gpu_check.py runs parts of it.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from memory_accounting import SHAPE, SMALL, build  # noqa: E402
+
+BUDGET_S = 530  # the whole check, under the 9 minutes a GPU session gives it (the wheels' install comes first)
+SCRIPTS = ("ppo.py", "grpo.py", "rloo.py")
+
+
+def sizes(device):
+    """The shapes of every row: the issue's on CUDA, tiny ones elsewhere."""
+    if device == "cuda":
+        return dict(
+            kernels=["-k", "cuda"],
+            generation=["--dtype", "bfloat16", "--models", "tiny,qwen0.5b-shape", "--batches", "64,256",
+                        "--new-tokens", "128", "--methods", "scripts,cuda-graph,hf-generate", "--repeats", "2"],
+            recipe_mem=["--dtype", "bfloat16", "--models", "qwen0.5b-shape", "--batches", "320",
+                        "--new-tokens", "1024", "--methods", "cuda-graph", "--repeats", "1"],
+            shape=SHAPE, old="dynamic", new="cuda_graph", prompts=64, tokens=128, recipe_tokens=1024, lora_r=32,
+            generations=5, micro=8,
+        )
+    return dict(
+        kernels=["-k", "check_range"],
+        generation=["--models", "tiny", "--batches", "8", "--new-tokens", "8", "--threads", "1",
+                    "--methods", "scripts,static,hf-generate", "--repeats", "1"],
+        recipe_mem=["--models", "tiny", "--batches", "8", "--new-tokens", "16", "--threads", "1", "--methods", "static",
+                    "--repeats", "1"],
+        shape=SMALL, old="dynamic", new="static", prompts=4, tokens=8, recipe_tokens=16, lora_r=4, generations=2,
+        micro=4,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ running
+def call(cmd, timeout, env=None):
+    """Run a command from the repository root: (return code, its output), 124 when it ran past timeout."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        output = e.stdout or ""
+        return 124, (output.decode() if isinstance(output, bytes) else output) + f"\n(stopped after {timeout:.0f} s)"
+
+
+def tail(output, n=15):
+    return ["```", *output.strip().splitlines()[-n:], "```"]
+
+
+def script_run(script, out, timeout, *args, torchrun=False):
+    """One run of a script: (return code, output, rows of its metrics.jsonl)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"] if torchrun else [sys.executable]
+    code, output = call([*launcher, os.path.join(ROOT, script), "--output_dir", out, *args], timeout)
+    path = os.path.join(out, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    return code, output, rows
+
+
+def bench_table(path):
+    """The rows of a bench_generate.py table: {(model, batch, new tokens, method): {column: text}}."""
+    header, rows = None, {}
+    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "model":
+            header = cells
+        elif header and line.startswith("|") and not line.startswith("|---"):
+            row = dict(zip(header, cells))
+            rows[row["model"], int(row["batch"]), int(row["new tokens"]), row["method"]] = row
+    return rows
+
+
+def ratio(text):
+    """A ratio cell such as '12.31x' as a number (nan when missing)."""
+    try:
+        return float(text.rstrip("x"))
+    except (AttributeError, ValueError):
+        return math.nan
+
+
+# ----------------------------------------------------------------------------------------------- the rows
+def row_kernels(ctx, timeout):
+    env = {"TRITON_INTERPRET": "0" if ctx["device"] == "cuda" else "1"}
+    code, output = call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         os.path.join(ROOT, "tests", "test_kernels.py"), *ctx["sizes"]["kernels"]], timeout, env)
+    last = output.strip().splitlines()[-1] if output.strip() else "no output"
+    return code == 0 and " passed" in last, last, tail(output, 5)
+
+
+def row_generation(ctx, timeout, key="generation"):
+    """bench_generate.py's table; it passes when the run does and the new loop makes the tokens of the static loop run
+    op by op (the eager path). The tokens against the old loop are reported: bf16 rounding may flip a near tie."""
+    out = os.path.join(ctx["tmp"], f"{key}.md")
+    code, output = call([sys.executable, os.path.join(HERE, "bench_generate.py"), "--device", ctx["device"],
+                         *ctx["sizes"][key], "--out", out], timeout)
+    ctx[key] = bench_table(out)
+    table = open(out).read().splitlines() if os.path.exists(out) else []
+    old = sorted({r["same tokens (sampled, greedy)"] for r in ctx[key].values()} - {"-"})
+    eager = [r["same as static, op by op"] for r in ctx[key].values() if r["same as static, op by op"] != "-"]
+    summary = (f"{len(ctx[key])} rows; same tokens as the old loop: {', '.join(old) or '-'}; as the eager path: "
+               f"{', '.join(sorted(set(eager))) or '-'}")
+    return code == 0 and bool(ctx[key]) and all(s == "yes, yes" for s in eager), summary, table or tail(output)
+
+
+def row_recipe_memory(ctx, timeout):
+    return row_generation(ctx, timeout, "recipe_mem")
+
+
+def random_models(ctx):
+    """The random policy and reward model of the 0.5B shape (the small one on the CPU), built once."""
+    folder = os.path.join(ctx["tmp"], "models")
+    if not os.path.exists(folder):
+        build(folder, ctx["sizes"]["shape"], "bfloat16")
+    return os.path.join(folder, "policy"), os.path.join(folder, "rm")
+
+
+def old_and_new(ctx, timeout, script, args):
+    """The same short run with the new loop, then the old one: a table of seconds per iteration and of generation;
+    the new / old time of the last iteration both finished goes to ctx[script]. The old loop gets what time is left:
+    if it is stopped, the iterations it finished still count, and the row says so."""
+    s, seconds, started, notes = ctx["sizes"], {}, time.time(), []
+    lines = ["| loop | iteration | time/iteration s | time/generate s | response length |", "|---|---:|---:|---:|---:|"]
+    for decode in (s["new"], s["old"]):
+        out, left = os.path.join(ctx["tmp"], f"{script}-{decode}"), timeout - (time.time() - started)
+        code, output, rows = script_run(script, out, 0.4 * left if decode == s["new"] else left, *args,
+                                        "--decode", decode)
+        rows = [r for r in rows if "time/iteration" in r]
+        if not rows:
+            return False, f"--decode {decode} failed ({code})", lines + tail(output)
+        if code != 0:
+            notes.append(f"--decode {decode} stopped ({code}) after {len(rows)} iterations")
+        for r in rows:
+            lines.append(f"| {decode} | {r['iteration']} | {r['time/iteration']:.2f} | {r['time/generate']:.2f} | "
+                         f"{r['response/length']:.0f} |")
+        seconds[decode] = [r["time/iteration"] for r in rows]
+    last = min(len(seconds[s["new"]]), len(seconds[s["old"]])) - 1  # the first holds the capture and warm-ups
+    new, old = seconds[s["new"]][last], seconds[s["old"]][last]
+    ctx[script] = new / old
+    summary = f"iteration {last + 1}: {old:.2f} s old, {new:.2f} s new ({ctx[script]:.2f}x)"
+    return not notes, "; ".join([summary, *notes]), lines
+
+
+def ppo_args(s, policy, rm):
+    """PPO at the 0.5B shape: 64 prompts x 128 tokens in bf16 (a tiny rollout on the CPU)."""
+    args = ["--model_name_or_path", policy, "--reward_model_path", rm, "--model_dtype", "bfloat16",
+            "--total_episodes", str(2 * s["prompts"]), "--rollout_batch_size", str(s["prompts"]),
+            "--response_length", str(s["tokens"]), "--eval_every", "0", "--save_every", "0"]
+    return args + ([] if s["new"] == "cuda_graph" else ["--minibatch_size", "4", "--micro_batch_size", "4",
+                                                        "--num_epochs", "1"])
+
+
+def grpo_args(s, policy):
+    """The README's GRPO GSM8K recipe with its shapes (the arithmetic prompts and rule stand in for GSM8K's, which
+    need the hub): --mixed_precision, LoRA rank 32, 64 prompts x 5, 1,024 new tokens, one step per rollout."""
+    responses = s["prompts"] * s["generations"]
+    return ["--model_name_or_path", policy, "--mixed_precision", "--dataset", "assets/arithmetic/train.jsonl",
+            "--reward_model_path", "--reward_fn", "arithmetic", "--num_generations", str(s["generations"]),
+            "--rollout_batch_size", str(s["prompts"]), "--minibatch_size", str(responses),
+            "--micro_batch_size", str(s["micro"]), "--num_epochs", "1", "--total_episodes", str(2 * responses),
+            "--learning_rate", "3e-5", "--lora_r", str(s["lora_r"]), "--lora_alpha", str(s["lora_r"]),
+            "--kl_coef", "0.001", "--ent_coef", "0.001", "--response_length", str(s["recipe_tokens"]),
+            "--max_prompt_length", "512", "--eval_every", "0", "--save_every", "0"]
+
+
+def torchrun_args(script):
+    """Three iterations of the embedded task, a checkpoint each, evaluation at the end; the static decode loop (auto
+    keeps the dynamic one under torchrun), so that its cache of fixed shape runs under FSDP2 on a GPU too."""
+    group = ["--rollout_batch_size", "4", "--num_generations", "4", "--minibatch_size", "16", "--micro_batch_size", "8"]
+    sizes = ["--rollout_batch_size", "16", "--minibatch_size", "8", "--micro_batch_size", "4"]
+    return [*(sizes if script == "ppo.py" else group), "--total_episodes", "48", "--response_length", "16",
+            "--mixed_precision", "--decode", "static", "--save_every", "1", "--eval_every", "3",
+            "--eval_batch_size", "32"]
+
+
+def row_ppo(ctx, timeout):
+    return old_and_new(ctx, timeout, "ppo.py", ppo_args(ctx["sizes"], *random_models(ctx)))
+
+
+def row_grpo_gsm8k(ctx, timeout):
+    return old_and_new(ctx, timeout, "grpo.py", grpo_args(ctx["sizes"], random_models(ctx)[0]))
+
+
+def row_torchrun(ctx, timeout):
+    """Each script on the embedded models: three iterations under torchrun with --mixed_precision, a checkpoint each,
+    then the third again from the second's checkpoint; compared: every logged number of the third iteration."""
+    lines = ["| script | three iterations | resumed from checkpoint-2 | largest relative difference, iteration 3 |",
+             "|---|---|---|---:|"]
+    ok, started = True, time.time()
+    for script in SCRIPTS:
+        args = torchrun_args(script)
+        full, resumed = (os.path.join(ctx["tmp"], f"torchrun-{script}-{k}") for k in ("full", "resumed"))
+        left = timeout - (time.time() - started)
+        code, output, rows = script_run(script, full, left / 2, *args, torchrun=True)
+        if code == 0:
+            left = timeout - (time.time() - started)
+            code, output, again = script_run(script, resumed, left, *args, "--resume",
+                                             os.path.join(full, "checkpoint-2"), torchrun=True)
+        if code != 0:
+            lines.append(f"| {script} | failed ({code}) | | |")
+            return False, f"{script} failed", lines + tail(output)
+        last, last_again = rows[-1], again[-1]
+        numbers = [k for k in last if not k.startswith(("time/", "memory/")) and isinstance(last[k], (int, float))]
+        worst = max(abs(last[k] - last_again.get(k, math.nan)) / max(abs(last[k]), 1e-6) for k in numbers)
+        finite = all(math.isfinite(r[k]) for r in rows + again for k in numbers if isinstance(r.get(k), float))
+        right = [r["iteration"] for r in rows] == [0, 1, 2, 3] and again[-1]["iteration"] == 3 and finite
+        ok = ok and right
+        lines.append(f"| {script} | iterations {[r['iteration'] for r in rows]} | iteration {last_again['iteration']}, "
+                     f"{'finite' if finite else 'NOT finite'} | {worst:.1e} |")
+    return ok, "three scripts, NCCL/gloo, FSDP2, --mixed_precision, DCP checkpoint and resume", lines
+
+
+# (name, row, the most seconds it may take). Expected on one H100 or H200, from the old loop's 25 ms per decode step
+# of the 0.5B shape: about 40, 110, 15, 75 (building the random models included), 150 and 90 s: 480 of the 530.
+ROWS = [("kernels", row_kernels, 90), ("generation", row_generation, 150), ("recipe-mem", row_recipe_memory, 40),
+        ("ppo", row_ppo, 120), ("grpo-gsm8k", row_grpo_gsm8k, 200), ("torchrun", row_torchrun, 150)]
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def targets(ctx):
+    """The issue's targets against what the rows measured: (what, measured, met)."""
+    if ctx["device"] != "cuda":
+        return []
+    table = ctx.get("generation", {})
+
+    def speedup(model, batch):
+        return ratio(table.get((model, batch, 128, "cuda-graph"), {}).get("vs scripts"))
+
+    found = [("0.5B shape, bf16, 256 x 128: the new loop's tokens/s >= 10x the old one's",
+              speedup("qwen0.5b-shape", 256), 10),
+             ("0.5B shape, bf16, 64 x 128: >= 5x", speedup("qwen0.5b-shape", 64), 5),
+             ("tiny model, 256 x 128: >= 10x", speedup("tiny", 256), 10)]
+    rows = [(what, f"{x:.2f}x", x >= goal) for what, x, goal in found]
+    graph = [r for r in table.values() if r["method"] == "cuda-graph"]
+    eager = [r["same as static, op by op"] for r in graph]
+    rows.append(("the same tokens as the eager path (the static loop op by op), from the same uniforms and greedy",
+                 ", ".join(eager) or "-", bool(eager) and all(s == "yes, yes" for s in eager)))
+    rows.append(("(not a target) the same tokens as the old loop; its largest log-prob difference",
+                 "; ".join(f"{r['same tokens (sampled, greedy)']} ({r['max abs logp diff']})" for r in graph) or "-",
+                 None))
+    if "ppo.py" in ctx:
+        rows.append(("a PPO iteration at the 0.5B shape <= 0.6x of the old one's time", f"{ctx['ppo.py']:.2f}x",
+                     ctx["ppo.py"] <= 0.6))
+    if "grpo.py" in ctx:
+        rows.append(("(not a target) the GSM8K recipe's shapes: seconds per iteration, new over old",
+                     f"{ctx['grpo.py']:.2f}x", None))
+    return rows
+
+
+def write(ctx, results):
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name() if ctx["device"] == "cuda" else f"CPU ({platform.machine()})"
+    commit = call(["git", "rev-parse", "--short", "HEAD"], 10)[1].strip()
+    lines = [f"# gpu_check: {device}, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
+             f"torch {torch.__version__}, transformers {transformers.__version__}, commit {commit}, "
+             f"`python bench/gpu_check.py --device {ctx['device']}`" + ("" if ctx["device"] == "cuda" else
+                                                                      " (tiny shapes: a dry run, no number counts)"),
+             "", "| row | result | seconds | summary |", "|---|---|---:|---|"]
+    for name, ok, seconds, summary, _ in results:
+        verdict = "pass" if ok else "skipped" if ok is None else "FAIL"
+        lines.append(f"| {name} | {verdict} | {seconds:.0f} | {summary} |")
+    found = targets(ctx)
+    if found:
+        lines += ["", "| target | measured | met |", "|---|---|---|"]
+        lines += [f"| {what} | {x} | {'-' if met is None else 'yes' if met else 'NO'} |" for what, x, met in found]
+    for name, _, _, _, details in results:
+        lines += ["", f"## {name}", "", *details]
+    with open(ctx["out"], "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda where there is one")
+    p.add_argument("--out", default=None, help="the report (default: $OUT/gpu_check.md, else bench/gpu_check.md)")
+    p.add_argument("--rows", default=",".join(name for name, _, _ in ROWS), help="some of the rows, comma-separated")
+    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all rows")
+    a = p.parse_args(argv)
+    import torch
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = a.out or os.path.join(os.environ.get("OUT") or HERE, "gpu_check.md")
+    started, results = time.time(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = dict(device=device, sizes=sizes(device), tmp=tmp, out=out)
+        for name, row, longest in ROWS:
+            if name not in a.rows.split(","):
+                continue
+            left = a.budget - (time.time() - started)
+            if left < min(longest, 30):
+                results.append((name, None, 0.0, f"no time left ({left:.0f} s)", []))
+                continue
+            t0 = time.time()
+            try:
+                ok, summary, details = row(ctx, min(longest, left))
+            except Exception as e:  # a broken row is reported, and the next one runs
+                ok, summary, details = False, f"{type(e).__name__}: {e}", []
+            results.append((name, ok, time.time() - t0, summary, details))
+            print(f"{name}: {'pass' if ok else 'FAIL'} ({time.time() - t0:.0f} s) {summary}", flush=True)
+            write(ctx, results)
+    print(f"report: {out}")
+    return 0 if all(ok is not False for _, ok, _, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+#!/bin/bash
+# One command for everything GPU-specific (bench/gpu_check.py says what it runs and what it writes: by default the
+# report goes to $OUT/gpu_check.md, else bench/gpu_check.md). Installs the wheels of bench/gpu_check_wheels.txt when
+# .whl/ holds them. At most 9 minutes in all (the check itself stops its rows at 530 s).
+#   bash bench/gpu_check.sh [--out report.md]                   # on the GPU machine
+#   PYTHON=.venv/bin/python bash bench/gpu_check.sh --device cpu  # the dry run, tiny shapes
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+"$PY" -c "import torch, transformers, tyro; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+    || exit 1
+exec timeout 540 "$PY" bench/gpu_check.py "$@"
