@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ENV = {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}  # transformers' default must not matter
 ENV.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]  # gloo on the CPU
 
 
 def run_script(script, out, *args):
@@ -30,8 +31,7 @@ def run_script(script, out, *args):
 def torchrun(script, out, *args, processes=2):
     """`torchrun --nproc_per_node=processes script --output_dir out args...` from the repository root, offline (gloo
     on the CPU); returns the finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}", os.path.join(ROOT, script),
-           "--output_dir", str(out), *args]
+    cmd = [*TORCHRUN[:-1], f"--nproc_per_node={processes}", os.path.join(ROOT, script), "--output_dir", str(out), *args]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 

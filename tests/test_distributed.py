@@ -20,12 +20,13 @@ which is another micro-batch than the single process's first)."""
 import json
 import math
 import os
+import subprocess
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import ROOT, run_script, torchrun
+from helpers import ENV, ROOT, TORCHRUN, run_script, torchrun
 
 # Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
 # batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
