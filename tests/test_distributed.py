@@ -156,7 +156,7 @@ def test_a_non_finite_weight_is_found_in_either_processs_shards(tmp_path):
     """After every optimiser step each process looks at its own shards of the trained weights (FSDP2's DTensors): an
     inf in the second process's half of a weight is named on both processes, and the check is silent before it."""
     snippet = tmp_path / "check.py"
-    snippet.write_text(f"""import json, sys
+    snippet.write_text(f"""import json, os, sys
 sys.path.insert(0, {ROOT!r})
 import torch
 import torch.distributed as dist
@@ -171,8 +171,10 @@ if dist.get_rank() == 1:
     with torch.no_grad():
         model[0].weight.to_local()[2, 1] = float("inf")
 found.append(ppo.non_finite_weight({{"policy": model}}))
-json.dump(found, open({str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.json", "w"))
+with open({str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.json", "w") as f:
+    json.dump(found, f)
 dist.destroy_process_group()
+os._exit(0)  # past gloo's teardown at interpreter exit, which now and then aborts a finished process
 """)
     result = subprocess.run([*TORCHRUN, str(snippet)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
