@@ -587,8 +587,8 @@ def main(args):
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
         adapter_dropout(models.values(), True)  # --lora_dropout, in the training forward only
         for epoch in range(args.num_epochs):
-            perm = torch.randperm(args.rollout_batch_size, generator=draws).to(device)
-            for mb_start in range(0, args.rollout_batch_size, args.minibatch_size):
+            perm = torch.randperm(responses_per_iteration, generator=draws).to(device)
+            for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
                 mb_tokens = rollout["response_mask"][mb_idx].sum().item()  # valid tokens in the global minibatch
                 mine = mb_idx[rank * local_minibatch : (rank + 1) * local_minibatch]
