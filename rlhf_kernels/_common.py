@@ -80,9 +80,24 @@ def save_and_return(ctx, logits, tok, msk, lse, ent, logp, cfg):
     return logp.view(shape)
 
 
-def incoming_grads(ctx, grads):
-    """The start of both backwards: (saved tensors, cfg, g_logp, g_entropy); a None gradient means that
-    output did not reach the loss."""
+def run_backward(ctx, grads, fill):
+    """The frame of both backwards: ``fill(x3, grad3, saved, cfg, g_lp, g_h)`` writes dL/dlogits into grad3 (the
+    logits' own buffer when inplace), returned shaped like the logits. None: that output did not reach the loss."""
+    saved, cfg = ctx.saved_tensors, ctx.cfg  # read first: it raises if the saved logits were modified in place
     g_lp = grads[0]
-    g_h = grads[1] if ctx.cfg[1] else None
-    return ctx.saved_tensors, ctx.cfg, g_lp, g_h
+    g_h = grads[1] if cfg[1] else None
+    if g_lp is None and g_h is None:
+        return (None,) * 7
+    logits, inplace = saved[0], cfg[2]
+    x3, copied = rows_view(logits)
+    Bn, Sn, V = x3.shape
+    if inplace:
+        grad3 = x3  # overwrite the logits (or the private copy rows_view had to make)
+    else:
+        grad3 = torch.empty(Bn, Sn, V, dtype=logits.dtype, device=logits.device)
+    fill(x3, grad3, saved, cfg, g_lp, g_h)
+    if inplace and not copied:
+        grad = logits
+    else:
+        grad = grad3.view(logits.shape) if grad3.is_contiguous() else grad3.reshape(logits.shape)
+    return grad, None, None, None, None, None, None

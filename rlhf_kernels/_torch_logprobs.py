@@ -21,7 +21,7 @@ that 1 - p_y keeps its precision when p_y is close to 1.
 """
 import torch
 
-from ._common import incoming_grads, prepare_tokens_mask, rows_view, save_and_return
+from ._common import prepare_tokens_mask, rows_view, run_backward, save_and_return
 
 # Budget for the two fp32 scratch buffers of one chunk (so peak extra memory is ~CHUNK_BYTES beyond the
 # outputs and, in the backward, the gradient). On a 2-core CPU, 32-128 MB ran as fast as or faster than the
@@ -94,6 +94,39 @@ def _backward_chunk(xc, yc, lse, ent, logp, g_lp, g_h, scale, inv_t, A, B_, out)
     out.scatter_(1, yc[:, None], c_y[:, None].to(out.dtype))
 
 
+def _fill_grad(x3, grad3, saved, cfg, g_lp, g_h):
+    """Write dL/dlogits into ``grad3`` chunk by chunk (the torch part of ``run_backward``); masked rows get 0."""
+    _, tok, msk, lse, ent, logp = saved
+    inv_t, _, _, chunk_rows = cfg
+    Bn, Sn, V = x3.shape
+    f32 = dict(dtype=torch.float32, device=x3.device)
+
+    def prep(g):
+        g = g.reshape(Bn, Sn).to(torch.float32) * inv_t
+        if msk is not None:
+            g = torch.where(msk, g, torch.zeros((), **f32))
+        return g.contiguous()
+
+    g_lp = prep(g_lp) if g_lp is not None else torch.zeros(Bn, Sn, **f32)
+    g_h = prep(g_h) if g_h is not None else None
+    rows = min(_chunk_rows(V, chunk_rows), max(Sn, 1))
+    A = torch.empty(rows, V, **f32)
+    B_ = torch.empty(rows, V, **f32)
+    scale = torch.full((1,), inv_t, **f32)
+    for b, s0, s1 in _row_chunks(Bn, Sn, rows):
+        n = s1 - s0
+        out = grad3[b, s0:s1]
+        _backward_chunk(
+            x3[b, s0:s1], tok[b, s0:s1], lse[b, s0:s1], None if ent is None else ent[b, s0:s1],
+            logp[b, s0:s1], g_lp[b, s0:s1], None if g_h is None else g_h[b, s0:s1],
+            scale, inv_t, A[:n], B_[:n], out,
+        )
+        if msk is not None:
+            mc = msk[b, s0:s1]
+            if not bool(mc.all()):
+                out.masked_fill_(~mc[:, None], 0)
+
+
 class TorchTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, mask, temperature, want_entropy, inplace_backward, chunk_rows):
@@ -132,46 +165,4 @@ class TorchTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        (logits, tok, msk, lse, ent, logp), (inv_t, want_entropy, inplace, chunk_rows), g_lp, g_h = incoming_grads(
-            ctx, grads
-        )
-        if g_lp is None and g_h is None:
-            return (None,) * 7
-        x3, copied = rows_view(logits)
-        Bn, Sn, V = x3.shape
-        dev = logits.device
-        f32 = dict(dtype=torch.float32, device=dev)
-
-        def prep(g):
-            g = g.reshape(Bn, Sn).to(torch.float32) * inv_t
-            if msk is not None:
-                g = torch.where(msk, g, torch.zeros((), **f32))
-            return g.contiguous()
-
-        g_lp = prep(g_lp) if g_lp is not None else torch.zeros(Bn, Sn, **f32)
-        g_h = prep(g_h) if g_h is not None else None
-        if inplace:
-            grad3 = x3  # overwrite the logits (or the private copy rows_view had to make)
-        else:
-            grad3 = torch.empty(Bn, Sn, V, dtype=logits.dtype, device=dev)
-        rows = min(_chunk_rows(V, chunk_rows), max(Sn, 1))
-        A = torch.empty(rows, V, **f32)
-        B_ = torch.empty(rows, V, **f32)
-        scale = torch.full((1,), inv_t, **f32)
-        for b, s0, s1 in _row_chunks(Bn, Sn, rows):
-            n = s1 - s0
-            out = grad3[b, s0:s1]
-            _backward_chunk(
-                x3[b, s0:s1], tok[b, s0:s1], lse[b, s0:s1], None if ent is None else ent[b, s0:s1],
-                logp[b, s0:s1], g_lp[b, s0:s1], None if g_h is None else g_h[b, s0:s1],
-                scale, inv_t, A[:n], B_[:n], out,
-            )
-            if msk is not None:
-                mc = msk[b, s0:s1]
-                if not bool(mc.all()):
-                    out.masked_fill_(~mc[:, None], 0)
-        if inplace and not copied:
-            grad = logits
-        else:
-            grad = grad3.view(logits.shape) if grad3.is_contiguous() else grad3.reshape(logits.shape)
-        return grad, None, None, None, None, None, None
+        return run_backward(ctx, grads, _fill_grad)

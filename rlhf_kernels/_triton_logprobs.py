@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import incoming_grads, prepare_tokens_mask, rows_view, save_and_return
+from ._common import prepare_tokens_mask, rows_view, run_backward, save_and_return
 
 
 @triton.jit
@@ -151,6 +151,27 @@ def _block_and_warps(V: int, block=None):
     return block, warps
 
 
+def _fill_grad(x3, grad3, saved, cfg, g_lp, g_h):
+    """Write dL/dlogits into ``grad3`` with one ``_bwd_kernel`` launch (the Triton part of ``run_backward``)."""
+    _, tok, msk_i, lse, ent, logp = saved
+    inv_t, _, inplace, block = cfg
+    Bn, Sn, V = x3.shape
+    N = Bn * Sn
+    g_lp = g_lp.reshape(N).to(torch.float32).contiguous() if g_lp is not None else None
+    g_h = g_h.reshape(N).to(torch.float32).contiguous() if g_h is not None else None
+    BLOCK, warps = _block_and_warps(V, block)
+    if N > 0:
+        _bwd_kernel[(N,)](
+            x3, grad3, tok, msk_i if msk_i is not None else tok, lse, ent if ent is not None else lse, logp,
+            g_lp if g_lp is not None else lse, g_h if g_h is not None else lse,
+            Sn, x3.stride(0), x3.stride(1), grad3.stride(0), grad3.stride(1), V, inv_t,
+            HAS_MASK=msk_i is not None, HAS_GLP=g_lp is not None, HAS_GH=g_h is not None,
+            BLOCK=BLOCK, num_warps=warps,
+        )
+    if inplace:
+        torch.autograd.graph.increment_version(x3)  # the kernel wrote behind autograd's back
+
+
 class TritonTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, mask, temperature, want_entropy, inplace_backward, block):
@@ -176,33 +197,4 @@ class TritonTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        (logits, tok, msk_i, lse, ent, logp), (inv_t, want_entropy, inplace, block), g_lp, g_h = incoming_grads(
-            ctx, grads
-        )
-        if g_lp is None and g_h is None:
-            return (None,) * 7
-        x3, copied = rows_view(logits)
-        Bn, Sn, V = x3.shape
-        N = Bn * Sn
-        g_lp = g_lp.reshape(N).to(torch.float32).contiguous() if g_lp is not None else None
-        g_h = g_h.reshape(N).to(torch.float32).contiguous() if g_h is not None else None
-        if inplace:
-            grad3 = x3
-        else:
-            grad3 = torch.empty(Bn, Sn, V, dtype=logits.dtype, device=logits.device)
-        BLOCK, warps = _block_and_warps(V, block)
-        if N > 0:
-            _bwd_kernel[(N,)](
-                x3, grad3, tok, msk_i if msk_i is not None else tok, lse, ent if ent is not None else lse, logp,
-                g_lp if g_lp is not None else lse, g_h if g_h is not None else lse,
-                Sn, x3.stride(0), x3.stride(1), grad3.stride(0), grad3.stride(1), V, inv_t,
-                HAS_MASK=msk_i is not None, HAS_GLP=g_lp is not None, HAS_GH=g_h is not None,
-                BLOCK=BLOCK, num_warps=warps,
-            )
-        if inplace:
-            torch.autograd.graph.increment_version(x3)  # the kernel wrote behind autograd's back
-        if inplace and not copied:
-            grad = logits
-        else:
-            grad = grad3.view(logits.shape) if grad3.is_contiguous() else grad3.reshape(logits.shape)
-        return grad, None, None, None, None, None, None
+        return run_backward(ctx, grads, _fill_grad)
