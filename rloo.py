@@ -15,8 +15,7 @@ Where this file departs from the paper, and why:
 - --kl_in_loss moves the KL from the reward into the loss (grpo.py's k3 term), an option the paper lacks.
 - logprobs_old are recorded while sampling, as in ppo.py, and dropout stays off.
 
-How to read it: Args, the math, the rollout's forward passes, then main, the loop as numbered steps. Below
-main's banner is plumbing (loading, data, FSDP2, checks, checkpoints, logging), the same in all three files.
+How to read it: Args, the math, the forward passes, main (the loop as numbered steps); below it, shared plumbing.
 
 Commands:
   python rloo.py                                    # the embedded default: reviews, the tiny reward model, CPU
@@ -27,36 +26,56 @@ Commands:
 
 import functools
 import hashlib
+import importlib.util
+import inspect
 import json
 import os
+import pathlib
+import pkgutil
 import re
 import shlex
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
+from huggingface_hub import constants as hub_constants
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grad_norm_
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           GenerationConfig)
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging as hf_logging
-
-from rlhf_kernels import token_logprobs
 from tqdm import tqdm
+
+# >>> shared: running alone
+try:  # the fused log-softmax-gather of this file's repository (rlhf_kernels/): no float32 copy of the logits
+    from rlhf_kernels import token_logprobs
+except ImportError:  # this file copied alone: the same log-probs from plain torch (start_processes says so)
+    def token_logprobs(logits, tokens, temperature=1.0, return_entropy=False, check_range=True):
+        """log softmax(logits / temperature) (..., V) at tokens (...), in float32, and the entropy (...)."""
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (..., V)
+        chosen = logp.gather(-1, tokens[..., None]).squeeze(-1)  # (...)
+        entropy = -(logp.exp() * logp.clamp(min=-1e4)).sum(-1)  # the clamp: 0 * -inf would be nan
+        return (chosen, entropy) if return_entropy else chosen
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")  # the embedded example, beside this file
+# <<< shared: running alone
 
 
 @dataclass
@@ -66,9 +85,9 @@ class Args:
     """name of the run (wandb run name)"""
     output_dir: str = "runs/rloo"
     """where metrics.jsonl, args.json and the final policy are written"""
-    dataset: str = "assets/reviews/train.jsonl"
+    dataset: str = f"{ASSETS}/reviews/train.jsonl"
     """training prompts: a local .json/.jsonl file, or a hub dataset name"""
-    reward_model_path: tuple[str, ...] = ("assets/tiny-rm",)
+    reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: Optional[str] = None
     """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the
@@ -110,10 +129,10 @@ class Args:
 
     # >>> shared: arguments
     # the models and the data
-    model_name_or_path: str = "assets/tiny-sft"
+    model_name_or_path: str = f"{ASSETS}/tiny-sft"
     """the starting policy (a causal LM); the frozen reference is a copy of it"""
-    model_dtype: str = "float32"
-    """dtype of the models' weights: float32, bfloat16 or float16"""
+    model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the models' weights"""
     hub_kernels: bool = False
     """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
     dataset_split: str = "train"
@@ -131,7 +150,7 @@ class Args:
     truncate_prompts: bool = False
     """cut longer prompts to their last max_prompt_length tokens (with a warning) instead of stopping"""
     seed: int = 1
-    """random seed (each process adds its rank)"""
+    """random seed, the same on every process (each draws every process's numbers and keeps its own)"""
 
     # generation and the shared loss terms
     response_length: int = 24
@@ -139,8 +158,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; the log-probs of training and KL use the same temperature"""
     decode: Literal["auto", "dynamic", "static", "cuda_graph"] = "auto"
-    """sampling's KV cache: grown by a token a step (dynamic), or of fixed shape (static), each step a CUDA graph
-    (cuda_graph); auto: cuda_graph on a GPU without torchrun, dynamic elsewhere"""
+    """the KV cache grown a token a step, of fixed shape, or that with CUDA graphs (auto: on one GPU; else dynamic)"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     max_grad_norm: float = 1.0
@@ -219,8 +237,7 @@ class Args:
 
 # >>> shared: batch statistics
 def masked_sum_count(x, mask):
-    """Sum of x over mask and the number of valid entries, summed over all processes when distributed.
-    x and mask of one shape; returns two 0-d float64 tensors."""
+    """Sum of x over mask and the count of valid entries, over all processes: two 0-d float64 tensors."""
     total = torch.stack([(x * mask).sum(), mask.sum()]).double()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(total)
@@ -249,10 +266,10 @@ def masked_var(x, mask):
 # >>> shared: clipped surrogate
 def policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
     """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7):
-    -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) with rho = exp(logp - logp_old), the seed's two-term minimum.
-    The min switches the gradient off once a token has moved eps in the direction its advantage wants, never when
-    it moved the other way. PPO's eps_low = eps_high; DAPO's clip-higher raises eps_high. Inputs (B, T)
-    (advantages may be (B, 1)); returns the loss (B, T), the ratio (B, T) and whether each token was clipped."""
+    -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) with rho = exp(logp - logp_old). The min switches the gradient
+    off once a token has moved eps the way its advantage wants, never when it moved the other way. PPO's eps_low =
+    eps_high; DAPO's clip-higher raises eps_high. Inputs (B, T), advantages maybe (B, 1); returns the loss, the ratio
+    and whether each token was clipped, (B, T) each."""
     ratio = torch.exp(logprobs - logprobs_old)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
@@ -289,7 +306,7 @@ def update_moments(mean, var, count, batch_mean, batch_var, batch_count):
 
 
 def normalize_scores(score, state, batch_count):
-    """The seed's fix for value divergence: scores (B,) divided by the running std of every score seen so far
+    """The usual fix for value divergence: scores (B,) divided by the running std of every score seen so far
     (over all processes), after the running mean is taken off. The moments live in state and are updated here."""
     ones = torch.ones_like(score)
     batch_mean, batch_var = masked_mean(score, ones).item(), masked_var(score, ones).item()
@@ -354,17 +371,14 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
 
 
 def in_chunks(forward, size, input_ids, attention_mask):
-    """A no-grad forward over the rollout (the reference's log-probs, the critic's values, the reward models' scores)
-    size rows at a time, concatenated: the whole rollout's logits at once are B x L x V (117 GB at 320 responses of
-    1,200 tokens over a 152k vocabulary in bf16); those of --micro_batch_size rows are what training holds."""
+    """A no-grad forward over the rollout, size rows at a time: its B x L x V logits at once would dwarf training's."""
     chunks = [forward(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
     return torch.cat(chunks)
 
 
 def head_outputs(model, input_ids, attention_mask):
-    """Scalar head of a sequence classifier at every position (B, L): per-token values for the critic; the reward
-    model's score is the entry at the last real token (the EOS). The classifier returns its head at one position; a
-    hook keeps every position's, and the call still goes through the model (FSDP needs that)."""
+    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
+    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
     kept = []
     hook = model.score.register_forward_hook(lambda module, inputs, output: kept.append(output))
     model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
@@ -372,33 +386,62 @@ def head_outputs(model, input_ids, attention_mask):
     return kept[0].squeeze(-1).float()  # (B, L)
 
 
-def sample_token(logits, draws, temperature):
-    """Each row's next token (B,) and its log-prob (B,) under the very logits (B, V) it is drawn from (logprobs_old)."""
+@torch.no_grad()
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows,
+                    args, stops=None):
+    """The raw score of each response (B,): every reward model read at its last token, their minimum, plus the rule;
+    also the rule's scores (or None), the texts and how many failed (failed_rewards: a stop, or a penalty)."""
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    P = input_ids.shape[1] - responses.shape[1]
+    last = P + response_mask.sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+    rm_scores = []  # K x (B,)
+    for rm, own_tokenizer in reward_models:
+        if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
+            values = in_chunks(lambda i, m: head_outputs(rm, i, m), args.micro_batch_size, input_ids, attention_mask)
+            rm_scores.append(values[torch.arange(len(texts)), last])
+        else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
+            ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
+                                            input_ids.device)
+            rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
+    rule_scores, why = None, "not a finite number"
+    if reward_fn:
+        rule_scores, why = call_reward_fn(reward_fn, texts, [row.get(args.answer_field) for row in rows])
+        rule_scores = torch.tensor(rule_scores, device=input_ids.device)  # (B,) nan where the rule failed
+    score, errors = failed_rewards(combine_scores(rm_scores, rule_scores), why, texts, tokenizer, input_ids[:, :P],
+                                   args, stops)
+    return score, None if rule_scores is None else rule_scores.nan_to_num(0.0), texts, errors
+
+
+def combine_scores(rm_scores, rule_scores=None):
+    """The minimum over reward models (the ensemble fix for reward exploitation), plus any rule reward: (B,)."""
+    score = torch.stack(rm_scores).min(0).values if rm_scores else torch.zeros_like(rule_scores)
+    return score + rule_scores if rule_scores is not None else score
+
+
+def sample_token(logits, uniforms, temperature):
+    """Each row's next token (B,), by inverse CDF of its uniform (B,) or greedy, and its log-prob under these logits."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
     cdf = probs.cumsum(-1)  # scaled by its last entry below, so that rounding cannot leave it short of the draw
-    if draws is None:
+    if uniforms is None:
         token = probs.argmax(-1)  # (B,) greedy, for evaluation
-    else:  # (B,) the first token whose cumulative probability passes the row's draw (B,)
-        token = torch.searchsorted(cdf, draws[:, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+    else:  # (B,) the first token whose cumulative probability passes the row's uniform
+        token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
     return token, token_logprobs(logits, token, temperature, check_range=False)  # drawn here: in range, no host sync
 
 
 @torch.no_grad()
 def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms=None,
              decode="dynamic"):
-    """Sample responses with a KV cache, recording the log-prob of each sampled token from the very logits it was
-    sampled from (logprobs_old). Left-padded prompts (B, P); a sequence stops at its first stop token (stop_ids:
-    EOS and any end-of-turn token), after which it holds pad tokens. Returns responses (B, T), logprobs (B, T) and
-    response_mask (B, T), the mask covering every token up to and including the EOS. Token t of row b is drawn by
-    uniforms[b, t] (B, max_new_tokens), drawn beforehand, so that no response depends on its batch or process;
-    without uniforms, greedily (for evaluation). decode (--decode): "dynamic", the loop below; "static" or
-    "cuda_graph", the same steps at the GPU's pace (static_decode, below the banner)."""
+    """Sample responses (B, T) to left-padded prompts (B, P) with a KV cache, with the log-prob of each token from the
+    logits it was drawn from (logprobs_old) and the mask up to and including its stop token. Token t of row b is drawn
+    by uniforms[b, t], drawn beforehand so that no response depends on its batch (none: greedy). --decode static and
+    cuda_graph run the same steps over buffers of fixed shape (static_decode, below the banner)."""
     B = prompt_ids.shape[0]
-    hold_full_parameters(policy, True)
+    hold_full_parameters(policy, hold=True)
     cache = DynamicCache()
     attention_mask = prompt_mask
     positions = position_ids_from(prompt_mask)  # (B, P)
-    # logits_to_keep=1: the last position's logits alone; the prompt's cost B x P x V (2.5 GB at 256 x 32 x 152k)
+    # logits_to_keep=1: the last position's logits alone, not the whole prompt's B x P x V
     logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                     use_cache=True, logits_to_keep=1).logits[:, -1]
     next_position = positions[:, -1:] + 1  # (B, 1)
@@ -419,7 +462,7 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
         out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position,
                      cache=cache, use_cache=True)
         logits, next_position = out.logits[:, -1], next_position + 1
-    hold_full_parameters(policy, False)
+    hold_full_parameters(policy, hold=False)
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
 # <<< shared: forward passes
 
@@ -454,7 +497,7 @@ def main(args):
     # >>> shared: set-up
     rank, device = start_processes(args)
     validate(args)
-    torch.manual_seed(args.seed)  # the same on every process, so that a new value head starts the same everywhere
+    torch.manual_seed(args.seed)  # the same on every process: new weights (a head, adapters) start the same
     tokenizer, prompts, rows, held_out, stop_ids, reward_fn = load_task(args, device)
     # <<< shared: set-up
     G = args.num_generations
@@ -466,15 +509,14 @@ def main(args):
     models, optimizers = {"policy": policy}, {"policy": policy_optimizer}
     all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
     # Everything besides the model and optimiser that a resumed run needs, in one place.
-    state = dict(iteration=0, episodes=0, data_epoch=0, data_cursor=0, score_mean=0.0, score_var=1.0, score_count=0.0,
-                 alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
-    if args.resume:
-        state = load_checkpoint(args.resume, models, optimizers)
+    state = load_checkpoint(args.resume, models, optimizers) if args.resume else dict(
+        iteration=0, episodes=0, data_epoch=0, data_cursor=0, score_mean=0.0, score_var=1.0, score_count=0.0,
+        alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
     # >>> shared: outputs and the starting policy's held-out score
-    log, received = Log(args, state, rank, tokenizer), catch_stop_signals()
+    log, stops = Log(args, state, rank, tokenizer), catch_stop_signals()
     if held_out[0] and not args.resume:  # logged as iteration 0: where the run starts from
         log.before_training(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device,
-                                     received))
+                                     stops))
     # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
@@ -487,19 +529,19 @@ def main(args):
 
         # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
         # >>> shared: generate and score
-        draws = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
-        uniforms = row_uniforms(draws, len(idx), args, rank).to(device)  # (B, response_length)
-        responses, logprobs_old, response_mask = pad_responses(*generate(
-            policy, prompt_ids, prompt_mask, args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id,
-            uniforms, args.decode), tokenizer.pad_token_id)  # (B, T) each
+        rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
+        uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
+        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
+                                                          args.temperature, stop_ids, tokenizer.pad_token_id, uniforms,
+                                                          args.decode)  # (B, T) each
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(
             reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask,
-            [rows[i] for i in idx], args, received)  # (B,); a reward that fails is a reason to stop, in received
+            [rows[i] for i in idx], args, stops)  # (B,); a reward that fails is a reason to stop, in stops
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
-        stop_and_save(received, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
+        stop_and_save(stops, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
         # <<< shared: generate and score
 
         with torch.no_grad():
@@ -530,9 +572,9 @@ def main(args):
         rollout = gather_rows(rollout)
         local_minibatch = args.minibatch_size // args.world_size
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
-        adapter_dropout(models.values(), True)  # --lora_dropout, in the training forward only
+        adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
         for epoch in range(args.num_epochs):
-            perm = torch.randperm(responses_per_iteration, generator=draws).to(device)
+            perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
                 mb_mask = rollout["train_mask"][mb_idx]
@@ -542,25 +584,34 @@ def main(args):
                 if mb_tokens == 0:  # every response left out (zero signal): no step, not even Adam's momentum
                     continue
                 for micro_start in range(0, local_minibatch, args.micro_batch_size):
-                    b = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}
-                    mask = b["train_mask"].float()  # (b, T)
-                    logprobs, entropy = response_logprobs(policy, b["input_ids"], b["attention_mask"], P,
-                                                          args.temperature, return_entropy=True)  # (b, T) each
-                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, b["logprobs_old"], b["advantages"][:, None],
-                                                             args.clip_range_low, args.clip_range_high)
+                    micro = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}
+                    mask = micro["train_mask"].float()  # (micro, T)
+                    logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], P,
+                                                          args.temperature, return_entropy=True)  # (micro, T) each
+                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, micro["logprobs_old"],
+                                                             micro["advantages"][:, None], args.clip_range_low,
+                                                             args.clip_range_high)
                     if reinforce:  # the paper's -A log pi; at ratio 1 its gradient is the clipped loss's
-                        pg_loss = -b["advantages"][:, None] * logprobs
-                    per_token = pg_loss - args.ent_coef * entropy  # (b, T)
+                        pg_loss = -micro["advantages"][:, None] * logprobs
+                    per_token = pg_loss - args.ent_coef * entropy  # (micro, T)
                     terms = {"policy/loss": pg_loss, "policy/entropy": entropy, "policy/clipfrac": pg_clipped}
                     if ref_policy is not None and args.kl_in_loss:
-                        terms["policy/kl_term"] = kl_penalty(logprobs, b["logprobs_ref"], args.kl_estimator, mask)
+                        terms["policy/kl_term"] = kl_penalty(logprobs, micro["logprobs_ref"], args.kl_estimator, mask)
                         per_token = per_token + args.kl_coef * terms["policy/kl_term"]
                     weights = loss_weights(mask, args.loss_aggregation, args.response_length, mb_sequences, mb_tokens)
                     loss = (per_token * weights).sum()
                     loss.backward()  # under FSDP2, also sums the gradients over the processes
-                    add_token_stats(stats, mask, ratio, logprobs, b["logprobs_old"], terms)
-                optimizer_step(models, optimizers, stats, state, iteration, args)  # clip, check, step
-        adapter_dropout(models.values(), False)
+                    add_token_stats(stats, mask, ratio, logprobs, micro["logprobs_old"], terms)
+                # >>> shared: optimiser step
+                grad_norms = {k: clip_grad_norm_(m.parameters(), args.max_grad_norm) for k, m in models.items()}
+                if step_is_finite(grad_norms, stats, state, iteration, args):  # a nan or inf gradient: no step
+                    for optimizer in optimizers.values():
+                        optimizer.step()
+                    refuse_non_finite(models, f"iteration {iteration}'s optimiser step left a weight non-finite", args)
+                for optimizer in optimizers.values():
+                    optimizer.zero_grad(set_to_none=True)
+                # <<< shared: optimiser step
+        adapter_dropout(models.values(), on=False)
         t_optimize = time.time() - t0 - t_generate - t_score
 
         # --- 6. the dashboard: batch statistics over all processes ---
@@ -573,8 +624,8 @@ def main(args):
             "objective/group_reward_std": global_mean(group_std),
             "adv/zero_signal_fraction": global_mean(zero_signal),
             "adv/abs_mean": global_mean(advantages.abs()),
+            "objective/score_normalized": global_mean(score),
         })
-        m["objective/score_normalized"] = global_mean(score)
         if ref_policy is not None:
             m["objective/kl"] = global_mean(seq_kl)  # nats per response, as in ppo.py
             m["objective/kl_coef"] = args.kl_coef
@@ -583,11 +634,11 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, received))
+            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, stops))
         log.iteration(m, state, prompt_ids, texts, raw_score)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
-        stop_and_save(received, args, models, optimizers, state, rank, device)
+        stop_and_save(stops, args, models, optimizers, state, rank, device)
 
     # --- last: the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
     finish(policy, tokenizer, log, state, args, rank)
@@ -597,10 +648,9 @@ def main(args):
 # ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above ========
 
 
-# >>> shared: processes and the task
+# ---- processes and the task
 def start_processes(args):
-    """Under torchrun (even with one process) one process per device, the models sharded with FSDP2; a plain run
-    needs none of it. Sets args.world_size; returns this process's rank and device."""
+    """One process per device under torchrun, none in a plain run: sets args.world_size, returns rank and device."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     hf_logging.disable_progress_bar()  # transformers' loading and saving bars; the run's own bar stays
@@ -609,81 +659,66 @@ def start_processes(args):
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
+    if rank == 0 and not token_logprobs.__module__.startswith("rlhf_kernels"):
+        print("rlhf_kernels (the fused log-prob kernel) was not found: log-probs come from the plain torch path")
     return rank, device
 
-
-def exit_once(main, args):
-    """Run main(args). A message that stops the run (a SystemExit with a sentence) is printed once, by rank 0, on a
-    line of its own; every process exits with code 1 (under torchrun each would print it)."""
-    try:
-        main(args)
-    except SystemExit as e:
-        if not isinstance(e.code, str):
-            raise
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(e.code, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-
-
 def load_task(args, device):
-    """The tokenizer, the training prompts (token lists) and their rows, the held-out (prompts, rows), the stop
-    tokens and the rule reward (or None), every row checked before any model loads."""
+    """The tokenizer, prompts and rows, held-out (prompts, rows), stop tokens and rule reward, before any model."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
     if tokenizer.eos_token_id is None:
-        raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; responses could never end. "
-                         "Set tokenizer.eos_token and save it.")
+        raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
     if tokenizer.pad_token_id is None:
-        warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not token ids, decide what is "
-                      "padding).")
+        warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not ids, say what is padding).")
         tokenizer.pad_token = tokenizer.eos_token
     prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
-    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
     eval_path = held_out_dataset(args)
     held_out = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
+    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
     return tokenizer, prompts, rows, held_out, stop_ids, load_reward_fn(args.reward_fn)
-# <<< shared: processes and the task
 
 
-# >>> shared: loading
+# ---- loading
 def check_model_path(path, kind, what):
-    """One sentence for a path that is not there or not the right kind of model, before anything loads."""
+    """One sentence, before anything loads, for a path that is not a model of its kind ('model': any)."""
+    if not os.path.isdir(path) and not hub_constants.HF_HUB_OFFLINE and not reachable(hub_constants.ENDPOINT):
+        hub_constants.HF_HUB_OFFLINE = True  # no network: a model cached earlier still loads, any other fails at once
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
-                         "written by save_pretrained or a hub model name.")
-    archs = config.architectures or []
-    found = archs or config.model_type
-    if kind == "causal" and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):  # GPT-2: LMHeadModel
-        raise SystemExit(f"{what} '{path}' is a {found}, not a causal LM; pass a model saved as ...ForCausalLM "
-                         "(or ...LMHeadModel).")
-    if kind == "classifier" and not any(a.endswith("ForSequenceClassification") for a in archs):
-        raise SystemExit(f"{what} '{path}' is a {found}, not a sequence classifier; pass a model saved as "
-                         "...ForSequenceClassification with num_labels=1.")
-    if kind == "classifier" and getattr(config, "num_labels", 1) != 1:
-        raise SystemExit(f"{what} '{path}' has {config.num_labels} labels; a reward model needs exactly one "
-                         "(num_labels=1).")
-    if os.path.isdir(path):  # a local folder: the weights (and a policy's tokenizer) must be there too
-        files = os.listdir(path)
-        if not any(f.endswith((".safetensors", ".bin")) for f in files):
-            raise SystemExit(f"{what} '{path}' holds a config but no weights (no *.safetensors or *.bin file); pass a "
-                             "folder written by save_pretrained.")
-        if kind == "causal" and not any(f in files for f in ("tokenizer.json", "tokenizer_config.json")):
-            raise SystemExit(f"{what} '{path}' has no tokenizer (no tokenizer.json or tokenizer_config.json); save "
-                             "the tokenizer beside the model with tokenizer.save_pretrained.")
+                         "written by save_pretrained or a hub model name (the hub needs the network).")
+    archs, files = config.architectures or [], os.listdir(path) if os.path.isdir(path) else None
+    heads = {"causal LM": ("ForCausalLM", "LMHeadModel"), "sequence classifier": ("ForSequenceClassification",)}
+    problem = None
+    if kind in heads and not any(a.endswith(heads[kind]) for a in archs):
+        problem = f"is a {archs or config.model_type}, not a {kind}"
+    elif kind == "sequence classifier" and config.num_labels != 1:
+        problem = f"has {config.num_labels} labels, not one (num_labels=1)"
+    elif files is not None and not any(f.endswith((".safetensors", ".bin")) for f in files):
+        problem = "holds a config but no weights (no *.safetensors or *.bin file)"
+    elif files is not None and kind == "causal LM" and not {"tokenizer.json", "tokenizer_config.json"} & set(files):
+        problem = "has no tokenizer (no tokenizer.json or tokenizer_config.json)"
+    if problem:
+        raise SystemExit(f"{what} '{path}' {problem}; pass a {kind} that save_pretrained wrote, with its tokenizer.")
 
+@functools.cache
+def reachable(url):
+    """Whether url's server answers within seconds (the hub, wandb), so that without a network a run says so at once."""
+    url = urlparse(url)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
 
 def load_model(model_class, path, args, device, trained, **kwargs):
-    """from_pretrained with every choice explicit. Transformers' hub kernels (on by default since 5.25: a
-    download at load time and different numerics) stay off unless --hub_kernels; they are applied once the
-    model sits on its device, since at load time it is on the CPU, where nothing is replaced. Under torchrun
-    the model is then sharded over the processes (a frozen one is left whole with --replicate_frozen)."""
+    """from_pretrained with every choice explicit, then autocast, checkpointing, LoRA and FSDP2 as asked."""
     # frozen models need no fp32 master weights
     dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)
     model = model_class.from_pretrained(path, dtype=dtype, use_kernels=False, **kwargs).to(device).eval()
-    if args.hub_kernels:
+    if args.hub_kernels:  # once on its device: on the CPU, at load time, nothing is replaced
         from kernels import Mode
-
         model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
     model.requires_grad_(trained)
     if args.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy under torchrun
@@ -692,45 +727,33 @@ def load_model(model_class, path, args, device, trained, **kwargs):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
         if not blocks:
-            raise SystemExit(f"'{path}' does not checkpoint its blocks the way transformers 5 models do; run without "
-                             "--gradient_checkpointing.")
-        # transformers recomputes a block only in training mode: the blocks alone are flagged as training
-        # (recomputed with gradients on), their attention and MLP stay in eval mode (no dropout)
-        for block in blocks:
+            raise SystemExit(f"'{path}' has no blocks transformers 5 can checkpoint; drop --gradient_checkpointing.")
+        for block in blocks:  # recomputed only in training mode: the blocks alone, their layers stay in eval mode
             block.training = True
     if args.lora_r and trained:  # the base frozen, the adapters (and a classifier's head) trained
         from peft import get_peft_model
-
         task_type = "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS"
         model = get_peft_model(model, lora_config(args, task_type)).eval()
     if dist.is_initialized() and (trained or not args.replicate_frozen):
         shard(model, args)
     return model
 
-
 def lora_config(args, task_type):
     """The adapters of --lora_r (peft)."""
     from peft import LoraConfig
-
     targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
     return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                       target_modules=targets, task_type=task_type)
 
-
-def adapter_dropout(models, on):
-    """Every model runs in eval mode, so that the log-probs recorded while sampling are the training forward's (the
-    ratio on the first minibatch is exactly 1). --lora_dropout is the one exception: the adapters' dropout is
-    switched on for the update and off again after it, so that it never touches sampling, the reference or
-    evaluation. The price: the first minibatch's ratios are then 1 only on average."""
+def adapter_dropout(models, *, on):
+    """--lora_dropout, the one exception to eval mode, on for the update alone (first ratios then 1 on average)."""
     for model in models:
         for name, module in model.named_modules():
             if "lora_dropout" in name.split(".") and isinstance(module, torch.nn.Dropout):
                 module.train(on)
 
-
 class AdaptersOff(torch.nn.Module):
-    """The reference model under LoRA: the policy itself with its adapters switched off for the call, so the base
-    weights are held once. The policy is kept outside the module's registry (it has no parameters of its own)."""
+    """The reference under LoRA: the policy with its adapters off (held outside the registry: no weights of its own)."""
 
     def __init__(self, policy):
         super().__init__()
@@ -740,29 +763,23 @@ class AdaptersOff(torch.nn.Module):
         with self.policy.disable_adapter():
             return self.policy(**inputs)
 
-
 def load_reference(args, policy, device):
     """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
     if args.lora_r:
         return AdaptersOff(policy)
     return load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
 
-
 def lora_policy_to_save(weights, args):
-    """Under LoRA, the policy as saved, built on the CPU from the gathered weights (the run's copy may be sharded):
-    the base with the adapters merged in (W + lora_alpha / lora_r B A), or with --save_adapters_only the adapters."""
+    """Under LoRA, the policy to save: the base with the adapters merged in, or --save_adapters_only's adapters."""
     from peft import get_peft_model
-
-    dtype = getattr(torch, args.model_dtype)
-    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=dtype, use_kernels=False)
+    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.model_dtype),
+                                                use_kernels=False)
     model = get_peft_model(base, lora_config(args, "CAUSAL_LM"))
     model.load_state_dict(weights)
     return model if args.save_adapters_only else model.merge_and_unload()
 
-
 def load_reward_models(args, tokenizer, device):
-    """The frozen reward models, each with its own tokenizer where that differs from the policy's (None where it is
-    the same vocabulary, or the model folder has none): (model, own tokenizer or None) pairs."""
+    """(frozen reward model, its own tokenizer) pairs, the tokenizer None where it reads the policy's tokens."""
     pairs = []
     for path in args.reward_model_path:
         model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
@@ -770,8 +787,7 @@ def load_reward_models(args, tokenizer, device):
             own = AutoTokenizer.from_pretrained(path, padding_side="left")
         except (OSError, ValueError, TypeError):
             own = None
-        # It reads the policy's tokens when no tokenizer was saved with it (transformers then raises, or builds one
-        # that knows only the special tokens) or when its vocabulary is the policy's.
+        # none saved: transformers raises, or builds one that knows only the special tokens
         if own is not None and (set(own.get_vocab()) <= set(own.all_special_tokens)
                                 or own.get_vocab() == tokenizer.get_vocab()):
             own = None
@@ -780,15 +796,11 @@ def load_reward_models(args, tokenizer, device):
         model.config.pad_token_id = (own or tokenizer).pad_token_id
         pairs.append((model, own))
     return pairs
-# <<< shared: loading
 
 
-# >>> shared: FSDP2
+# ---- FSDP2
 def shard(model, args):
-    """FSDP2 (PyTorch's fully_shard) over all processes: each transformer block is a unit whose parameters are
-    gathered just before it runs and freed after; the root unit holds the rest (embeddings, final norm, heads).
-    Every process keeps 1/world_size of each parameter, gradient and Adam state. Gradients are summed over the
-    processes, not averaged, since each process's loss is its share of the global minibatch's loss."""
+    """FSDP2 over all processes, a unit per transformer block; gradients summed, as each loss is a share of one."""
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     blocks = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]  # as each model names them
     for module in blocks + [model]:
@@ -796,64 +808,41 @@ def shard(model, args):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
 
-
-def hold_full_parameters(model, hold):
-    """FSDP2 gathers a block's parameters just before it runs and frees them after, which in a decode loop would be
-    an all-gather per block per token. While sampling, the policy keeps them gathered instead (one all-gather per
-    block per rollout), at the cost of a whole copy of its parameters on every process (15 GB for a 7B policy in
-    bf16). Where that does not fit, or sampling dominates the run, sample with a separate inference engine that is
-    sent the new weights."""
+def hold_full_parameters(model, *, hold):
+    """While sampling, an FSDP2 policy holds its blocks gathered: one all-gather per rollout, not per token."""
     if isinstance(model, FSDPModule):
         model.set_reshard_after_forward(not hold)  # for every unit
         for module in model.modules() if not hold else []:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
-
 def megabytes_held(models, optimizers):
-    """What this process holds of the models' parameters and the optimisers' states, in MB (under FSDP2, its
-    shards)."""
+    """What this process holds of the models' parameters and the optimisers' states, in MB (its FSDP2 shards)."""
     states = [x for o in optimizers for s in o.state.values() for x in s.values() if torch.is_tensor(x)]
     tensors = [p for m in models for p in m.parameters()] + states
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors) / 2**20
 
-
 def gather_rows(tensors):
-    """The rows of every process, in rank order, for each tensor of a dict: the whole rollout on every process
-    (token ids and per-token floats, a few MB), so that each can take its share of the same global minibatches."""
+    """The whole rollout on every process: each tensor's rows of all processes, right-padded with zeros (masked)."""
     if not dist.is_initialized():
         return tensors
+    widths = torch.tensor([x.shape[-1] for x in tensors.values()], device=next(iter(tensors.values())).device)
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX)
     gathered = {}
-    for key, x in tensors.items():
+    for (key, x), width in zip(tensors.items(), widths.tolist()):
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]) if x.dim() > 1 else (0, 0)).contiguous()
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x)
         gathered[key] = torch.cat(parts)
     return gathered
 
 
-def pad_responses(responses, logprobs, response_mask, pad_token_id):
-    """Right-pad the responses (B, T) of every process to the longest anywhere, so that the rollout's rows can be
-    gathered."""
-    T = torch.tensor(responses.shape[1], device=responses.device)
-    if dist.is_initialized():
-        dist.all_reduce(T, op=dist.ReduceOp.MAX)
-    pad = (0, T.item() - responses.shape[1])
-    return (torch.nn.functional.pad(responses, pad, value=pad_token_id), torch.nn.functional.pad(logprobs, pad),
-            torch.nn.functional.pad(response_mask, pad))
-# <<< shared: FSDP2
-
-
-# >>> shared: static cache and CUDA graphs
+# ---- static cache and CUDA graphs
 STATIC_DECODERS = {}  # (policy, batch, sampling settings) -> StaticDecoder, kept from call to call
-
 
 def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms,
                   decode):
-    """generate's decode steps at the GPU's pace (--decode static or cuda_graph), from its prefill (the cache and the
-    last position's logits): the same draws, log-probs and stops over buffers of fixed shape, a StaticDecoder's. One
-    is kept for each batch size (training's, evaluation's), as wide as the widest prompts it has met plus
-    max_new_tokens, rounded up to a multiple of 64: it is set up again (and captured again, once for each temperature
-    and for greedy) only when a batch of longer prompts comes, a handful of times in a run."""
+    """generate's decode steps from its prefill on buffers of fixed shape: a StaticDecoder per batch size, grown."""
     B, P = prompt_mask.shape
     stop_ids = torch.as_tensor(stop_ids, device=logits.device).view(-1)  # (S,), from one id too
     graphs = decode == "cuda_graph" and logits.is_cuda
@@ -862,56 +851,43 @@ def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperatur
         STATIC_DECODERS.pop(key, None)  # the narrower one's memory goes before the wider one's comes
         width = -(-(P + max_new_tokens) // 64) * 64
         STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs)
-    responses = STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, stop_ids, temperature)
-    hold_full_parameters(policy, False)
+    responses = STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, temperature)
+    hold_full_parameters(policy, hold=False)
     return responses
 
-
 class StaticDecoder:
-    """The decode steps of generate for one shape, over buffers allocated once: the KV cache (transformers'
-    StaticCache), the attention mask over its columns, the positions, the draws and the outputs. A step reads and
-    writes only these, indexed by counters held on the device, so it needs no host synchronisation: on CUDA it is
-    captured once as a CUDA graph and replayed for every token, one launch instead of a few hundred kernels launched
-    from Python (gpt-fast's recipe; torch.compile(mode="reduce-overhead") would capture the same step, at the price of
-    a compilation per shape and its guards). The stop test, a host sync, runs every 8 steps on CUDA (every step on
-    the CPU, where a sync costs nothing); a row that has stopped is fed pad tokens meanwhile, and the outputs are cut
-    after the last step in which a row was live, where the dynamic loop stops. Its tokens and log-probs equal the
-    dynamic loop's to rounding: attention also reads the cache's unused columns, each with a weight of exactly 0.
-    The price: those columns are read at every step (about 1.5x the dynamic cache's reads when the responses are
-    much longer than the prompts), and memory held between rollouts, through training: the cache (B x width x layers
-    x 2 x KV heads x head size x bytes) and each graph's pool of intermediates (README, Memory)."""
+    """generate's decode steps over buffers allocated once and counters on the device: no host sync, so on CUDA a
+    step is captured as a CUDA graph and replayed per token. Attention reads the unused columns with weight 0."""
 
     def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
         B, device = logits.shape[0], logits.device
         self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
         self.pad_token_id, self.capture, self.graphs = pad_token_id, graphs, {}  # (temperature, greedy) -> graph
         self.logits = torch.zeros_like(logits)  # (B, V) those the next token is drawn from
-        self.stop_ids = torch.zeros_like(stop_ids)
-        self.draws = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
-        self.attention_mask = torch.zeros(B, width, dtype=torch.long, device=device)  # (B, W) the columns in use
-        self.position = torch.zeros(B, 1, dtype=torch.long, device=device)  # (B, 1) of the token fed next
-        self.step = torch.zeros(1, dtype=torch.long, device=device)  # t, the token drawn next
-        self.column = torch.zeros(1, dtype=torch.long, device=device)  # P + t, the cache column it is written to
+        self.stop_ids = stop_ids.clone()  # the same for every call with this decoder's key
+        self.uniforms = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
+        long = dict(dtype=torch.long, device=device)
+        self.attention_mask = torch.zeros(B, width, **long)  # (B, W) the columns in use
+        self.position = torch.zeros(B, 1, **long)  # (B, 1) of the token fed next
+        self.step, self.column = torch.zeros(1, **long), torch.zeros(1, **long)  # t, drawn next; P + t, its column
         self.done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-        self.tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, T)
+        self.tokens = torch.zeros(B, max_new_tokens, **long)  # (B, T)
         self.logprobs = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
         self.masks = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # (B, T)
 
-    def run(self, policy, cache, logits, prompt_mask, uniforms, stop_ids, temperature):
+    def run(self, policy, cache, logits, prompt_mask, uniforms, temperature):
         """The steps from generate's prefill on, for prompts (B, P); returns what generate returns."""
         P = prompt_mask.shape[1]
         self.cache.reset()  # in place: the captured steps read these very tensors
         for i, layer in enumerate(cache.layers):  # the prompt's keys and values fill the first P columns
             self.cache.update(layer.keys, layer.values, i)
         self.logits.copy_(logits)
-        self.stop_ids.copy_(stop_ids)
         if uniforms is not None:
-            self.draws.copy_(uniforms)
-        self.attention_mask.zero_()
-        self.attention_mask[:, :P] = prompt_mask
+            self.uniforms.copy_(uniforms)
+        self.attention_mask.zero_()[:, :P] = prompt_mask
         self.position.copy_(position_ids_from(prompt_mask)[:, -1:] + 1)
         self.step.zero_(), self.column.fill_(P), self.done.zero_()
-        every = 8 if logits.is_cuda else 1
+        every = 8 if logits.is_cuda else 1  # the stop test is a host sync: on CUDA every 8 steps (pads fed meanwhile)
         for step in range(self.tokens.shape[1]):
             self.advance(policy, (temperature, uniforms is None))
             if (step + 1) % every == 0 and self.done.all():
@@ -943,8 +919,8 @@ class StaticDecoder:
 
     def step_once(self, policy, temperature, greedy):
         """Draw every row's token t, record it, and feed it to the policy: the body of generate's loop."""
-        draws = None if greedy else self.draws.index_select(1, self.step)[:, 0]  # (B,)
-        token, logprob = sample_token(self.logits, draws, temperature)
+        uniforms = None if greedy else self.uniforms.index_select(1, self.step)[:, 0]  # (B,)
+        token, logprob = sample_token(self.logits, uniforms, temperature)
         fed = torch.where(self.done, self.pad_token_id, token)  # (B,) pad tokens after a row's stop
         self.masks.index_copy_(1, self.step, ~self.done[:, None])
         self.tokens.index_copy_(1, self.step, fed[:, None])
@@ -956,66 +932,49 @@ class StaticDecoder:
         self.logits.copy_(out.logits[:, -1])
         for counter in (self.position, self.step, self.column):
             counter.add_(1)
-# <<< shared: static cache and CUDA graphs
 
 
-# >>> shared: data
+# ---- data
 def read_rows(path, split, args):
-    """The dataset as a list of dicts. A local .jsonl (or .json) file is read line by line, so that a bad
-    line is named; anything else is a hub dataset."""
+    """The dataset as a list of dicts: a local .jsonl (or .json) file, a bad line named, or a hub dataset."""
     if not path.endswith((".json", ".jsonl")):
         from datasets import load_dataset
-
         try:
             return list(load_dataset(path, args.dataset_config, split=split))
         except (OSError, ValueError) as e:
             raise SystemExit(f"hub dataset '{path}' (split '{split}', configuration {args.dataset_config}) could not "
-                             f"be loaded ({type(e).__name__}: {e}); check its name, --dataset_config and the network "
-                             "(HF_HUB_OFFLINE=1 forbids downloads), or pass a local .jsonl file instead.")
+                             f"be loaded ({type(e).__name__}: {e}); check its name, --dataset_config and the network.")
     if not os.path.isfile(path):
         raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": "
                          "...}} rows or a hub dataset name.")
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = pathlib.Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise SystemExit(f"line {line} of '{path}' is not UTF-8 text (the byte {raw[e.start]:#04x}); save the file "
-                         "as UTF-8.")
-    if path.endswith(".json") and text.lstrip().startswith("["):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"'{path}' is not valid JSON (line {e.lineno}: {e.msg}); fix the file or write it as "
-                             "JSON lines.")
+        raise SystemExit(f"line {line} of '{path}' is not UTF-8 text (byte {raw[e.start]:#04x}); save it as UTF-8.")
+    whole = path.endswith(".json") and text.lstrip().startswith("[")  # one JSON list, else a JSON object a line
     rows = []
-    for line_number, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"line {line_number} of '{path}' is not valid JSON ({e.msg}); fix or remove that "
-                                 "line.")
+    for number, line in enumerate([text] if whole else text.splitlines(), 1):
+        try:
+            rows += json.loads(line) if whole else [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"line {number + e.lineno - 1} of '{path}' is not valid JSON ({e.msg}); fix that line.")
     return rows
 
-
 def load_prompts(path, split, args, tokenizer):
-    """Tokenise every prompt of a dataset (--dataset or --eval_dataset) once, checking the rows and the prompt
-    lengths before any model loads. Returns the token lists and the rows (dicts) they come from."""
+    """A dataset's prompts tokenised once and its rows (dicts), every row checked before any model loads."""
     rows = read_rows(path, split, args)
     if len(rows) == 0:
         raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
-    needed = [args.prompt_field] + ([args.answer_field] if args.reward_fn in REWARD_FNS else [])  # a user's may not
     for n, row in enumerate(rows, 1):
-        missing = [k for k in needed if not isinstance(row, dict) or k not in row]
-        if missing == [args.answer_field]:
+        has = list(row) if isinstance(row, dict) else []
+        if args.prompt_field not in has:
+            raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
+                             f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts.")
+        if args.reward_fn in REWARD_FNS and args.answer_field not in has:  # a user's reward may need none
             raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{path}' has no "
-                             f"'{args.answer_field}' (it has {list(row)}); pass --answer_field.")
-        if missing:
-            has = list(row) if isinstance(row, dict) else type(row).__name__
-            raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has {has}); "
-                             "pass --prompt_field with the column holding the prompts.")
+                             f"'{args.answer_field}' (it has {has}); pass --answer_field.")
         prompt = row[args.prompt_field]
         is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
             isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
@@ -1023,45 +982,31 @@ def load_prompts(path, split, args, tokenizer):
             raise SystemExit(f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
                              "a list of {\"role\", \"content\"} messages.")
         if not (prompt.strip() if isinstance(prompt, str) else any(str(m["content"]).strip() for m in prompt)):
-            raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row (a response needs a prompt "
-                             "to follow).")
+            raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row.")
         if (is_chat or args.chat_template) and tokenizer.chat_template is None:
             raise SystemExit(f"row {n} of '{path}' needs a chat template, but the tokenizer of "
-                             f"'{args.model_name_or_path}' has none; set tokenizer.chat_template and save it, or "
-                             "pass text prompts without --chat_template.")
-    texts = [chat_text(row[args.prompt_field], tokenizer, args) for row in rows]
+                             f"'{args.model_name_or_path}' has none; save one with it, or drop --chat_template.")
+    texts = [row[args.prompt_field] for row in rows]  # chat (with --chat_template, every prompt) through the template
+    texts = [t if isinstance(t, str) and not args.chat_template else tokenizer.apply_chat_template(
+        [{"role": "user", "content": t}] if isinstance(t, str) else t, add_generation_prompt=True, tokenize=False)
+        for t in texts]
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
         longest = max(too_long, key=lambda i: len(prompts[i]))
         raise SystemExit(f"{len(too_long)} prompts of '{path}' are longer than --max_prompt_length "
                          f"{args.max_prompt_length} (the first is row {too_long[0] + 1}; the longest, row "
-                         f"{longest + 1}, has {len(prompts[longest])} tokens); raise it, or pass --truncate_prompts to "
-                         "keep their last tokens.")
+                         f"{longest + 1}, has {len(prompts[longest])} tokens); raise it, or pass --truncate_prompts.")
     if too_long:
-        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens "
-                      "(--truncate_prompts).")
+        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens.")
         prompts = [p[-args.max_prompt_length :] for p in prompts]
-    empty = [i for i, p in enumerate(prompts) if len(p) == 0]  # text the tokenizer makes nothing of
-    if empty:
-        raise SystemExit(f"row {empty[0] + 1} of '{path}' has a prompt of no tokens; remove that row (a response "
-                         "needs a prompt to follow).")
+    if min(map(len, prompts)) == 0:  # text the tokenizer makes nothing of
+        raise SystemExit(f"row {[len(p) for p in prompts].index(0) + 1} of '{path}' has a prompt of no tokens; remove "
+                         "that row.")
     return prompts, rows
 
-
-def chat_text(prompt, tokenizer, args):
-    """The text the policy continues: chat messages (or, with --chat_template, a text prompt as one user message)
-    rendered by the tokenizer's template up to the start of the assistant's turn; other text as it is."""
-    if isinstance(prompt, str) and not args.chat_template:
-        return prompt
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
 def stop_token_ids(tokenizer, path):
-    """The tokens that end a response: the tokenizer's EOS, the model's own (an instruct model's generation_config
-    lists its end of turn, such as Qwen's <|im_end|> or Llama 3's <|eot_id|>), and the chat template's end of turn
-    (the special token that follows an assistant message in the template)."""
+    """The tokens that end a response: the EOS, the generation_config's, and the chat template's end of turn."""
     try:
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # the model has no generation_config.json
@@ -1075,20 +1020,15 @@ def stop_token_ids(tokenizer, path):
             ids.add(after[0])
     return torch.tensor(sorted(ids))
 
-
 def held_out_dataset(args):
-    """Where the held-out prompts come from: --eval_dataset, else the test.jsonl beside a local train.jsonl
-    --dataset (the embedded prompt sets are laid out so); none when --eval_every is 0 or nothing fits."""
+    """--eval_dataset, else the test.jsonl beside a local train.jsonl --dataset; None with --eval_every 0 or none."""
     if args.eval_every == 0 or args.eval_dataset:
         return args.eval_dataset if args.eval_every else None
     beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
     return beside if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside) else None
 
-
 def next_prompts(prompts, state, args, rank):
-    """This process's prompts of the iteration (dataset indices) and the length of the longest on any process (one
-    width, so that rows can be gathered). Every process draws the same shuffled order, a new one for each pass over
-    the data, and takes its own slice; the cursor in state moves on by the whole batch."""
+    """This process's prompts (dataset indices) from one shuffled order per epoch, and the longest on any process."""
     if state["data_cursor"] + args.rollout_batch_size > len(prompts):
         state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
     shuffle = torch.Generator().manual_seed(args.seed + state["data_epoch"])
@@ -1099,12 +1039,9 @@ def next_prompts(prompts, state, args, rank):
     local_batch = args.rollout_batch_size // args.world_size
     return batch[rank * local_batch : (rank + 1) * local_batch], max(len(prompts[i]) for i in batch)
 
-
-def row_uniforms(draws, rows, args, rank):
-    """This process's rows (rows, response_length) of the iteration's uniforms: every process draws all of them
-    from the same generator and keeps its own, so that a response never depends on the number of processes."""
-    return torch.rand(rows * args.world_size, args.response_length, generator=draws)[rank * rows : (rank + 1) * rows]
-
+def row_uniforms(rng, rows, args, rank):
+    """This process's rows of uniforms drawn for all: a response never depends on the number of processes."""
+    return torch.rand(rows * args.world_size, args.response_length, generator=rng)[rank * rows : (rank + 1) * rows]
 
 def left_pad(sequences, pad_token_id, device, width=None):
     """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
@@ -1114,96 +1051,54 @@ def left_pad(sequences, pad_token_id, device, width=None):
     for i, s in enumerate(sequences):
         ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
     return ids.to(device), mask.to(device)
-# <<< shared: data
 
 
-# >>> shared: rewards and evaluation
-@torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows,
-                    args, stops=None):
-    """The raw score of each full response (B,): a reward model that shares the policy's tokenizer reads the token
-    ids and scores at the last real token (the EOS); one with a tokenizer of its own reads the prompt and the
-    decoded response re-tokenised for it; the rule reads the decoded text and the row's answer. Also returns the
-    rule's own scores (or None), the texts, and how many responses had no valid score (they stop the run, or with
-    --on_reward_error penalty score below the rest of the batch). rows: each response's dataset row. A reward that
-    stops the run is put in stops, the run's reasons to stop (stop_and_save then stops every process together and
-    saves the state before the rollout); without stops it stops here."""
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    last = input_ids.shape[1] - responses.shape[1] + response_mask.sum(1) - 1  # (B,) the final response token
-    rm_scores = []  # K x (B,)
-    for rm, own_tokenizer in reward_models:
-        if own_tokenizer is None:
-            values = in_chunks(lambda i, m: head_outputs(rm, i, m), args.micro_batch_size, input_ids, attention_mask)
-            rm_scores.append(values[torch.arange(len(responses)), last])
-        else:  # left-padded: the last position is every row's last real token
-            ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
-                                            input_ids.device)
-            rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
-    answers = [row.get(args.answer_field) for row in rows]
-    rule_scores, why = call_reward_fn(reward_fn, texts, answers) if reward_fn else (None, "not a finite number")
+# ---- rewards and evaluation
+def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
+    """Scores (B,) that are not finite stop the run (in stops), or go below the batch's lowest; with their count."""
+    bad = ~torch.isfinite(score)
     failure = None if why else ("the reward function fails on the whole batch but on no single response; it must "
                                 "return one score per response.")
-    rule_scores = torch.tensor(rule_scores, device=responses.device) if reward_fn else None
-    score = combine_scores(rm_scores, rule_scores)
-    bad = ~torch.isfinite(score)
     if bad.any() and not failure:
         i = bad.nonzero()[0, 0].item()
-        prompt = tokenizer.decode(input_ids[i, : input_ids.shape[1] - responses.shape[1]], skip_special_tokens=True)
+        prompt = tokenizer.decode(prompt_ids[i], skip_special_tokens=True)
+        which = f"the response {texts[i]!r} to the prompt {prompt!r}"
         if args.on_reward_error == "stop":
-            failure = (f"the reward of the response {texts[i]!r} to the prompt {prompt!r} is {why}; fix the reward, "
-                       "or pass --on_reward_error penalty to score such responses below the rest of the batch.")
+            failure = (f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
+                       "such responses below the rest of the batch.")
         elif bad.all():  # no valid score to put them below
-            failure = (f"every response of the batch failed its reward (the response {texts[i]!r} to the prompt "
-                       f"{prompt!r} is {why}); fix the reward function.")
+            failure = f"every response of the batch failed its reward ({which} is {why}); fix the reward function."
         else:
             score = torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score)
     if failure and stops is None:
         raise SystemExit(failure)
     if failure:
         stops.append(failure)
-    return score, rule_scores.nan_to_num(0.0) if reward_fn else None, texts, int(bad.sum())
-
-
-def combine_scores(rm_scores, rule_scores=None):
-    """The score of each response (B,): the minimum over reward models (a response must fool all of them to be
-    over-rewarded: the ensemble fix for reward exploitation), plus the rule reward when there is one."""
-    score = torch.stack(rm_scores).min(0).values if rm_scores else torch.zeros_like(rule_scores)
-    return score + rule_scores if rule_scores is not None else score
-
+    return score, int(bad.sum())
 
 def distinct_n(sequences, n):
     """Distinct-n: unique n-grams over all n-grams in a batch of token lists (1.0 = no repetition)."""
     ngrams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
     return len(set(ngrams)) / max(len(ngrams), 1)
 
-
 def arithmetic_reward(responses, answers):
     """Rule reward: 1 when the response, stripped, is exactly the answer, else 0."""
     return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
-
 
 def last_number(text):
     """The last number written in a text ('1,234', '-5', '2.50'), as a float; None when there is none."""
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return float(numbers[-1].replace(",", "")) if numbers else None
 
-
 def gsm8k_reward(responses, answers):
-    """Rule reward for GSM8K: 1 when the response's last number equals the reference answer's final number, the
-    one after its '####' (a worked solution ending in '#### 72'), else 0."""
+    """Rule reward for GSM8K: 1 when the response's last number is the reference's final one (after '####')."""
     truths = [last_number(str(a).split("####")[-1]) for a in answers]
     return [float(last_number(r) is not None and last_number(r) == t) for r, t in zip(responses, truths)]
 
-
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
-
 def load_reward_fn(spec):
-    """The rule reward of --reward_fn (None without one): a built-in name, or the user's own function as
-    path/to/file.py:function or package.module:function, called as the built-ins are: the responses' texts and the
-    rows' answers (None where a row has none) in, one float per response out. Checked before any model loads."""
-    import inspect
-
+    """--reward_fn: a built-in, file.py:function or module:function, fn(texts, answers) -> a float each; or None."""
     if spec is None or spec in REWARD_FNS:
         return REWARD_FNS.get(spec)
     where, _, name = spec.rpartition(":")
@@ -1213,7 +1108,7 @@ def load_reward_fn(spec):
     if where.endswith(".py") and not os.path.isfile(where):
         raise SystemExit(f"--reward_fn {spec}: the file '{where}' does not exist; pass the path of a Python file.")
     try:
-        module = reward_module(where)
+        module = reward_module(where) if where.endswith(".py") else pkgutil.resolve_name(where)
     except Exception as e:
         raise SystemExit(f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or "
                          "check the module's name and that it is importable from here.")
@@ -1224,31 +1119,21 @@ def load_reward_fn(spec):
         inspect.signature(fn).bind(["a response"], ["its answer"])
     except TypeError:
         raise SystemExit(f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, "
-                         "answers); it must take the list of response texts and the list of answers, and return "
-                         "one score per response.")
+                         "answers); it must take the response texts and their answers and return a score each.")
     except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
         pass
     return fn
 
-
 @functools.cache  # a user's file is run once, when the arguments are checked, and the same module used after
-def reward_module(where):
-    """The module of a user's reward function: a Python file's path, or an importable module's name."""
-    import importlib.util
-
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    found = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+def reward_module(path):
+    """The module of a user's reward file."""
+    found = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
     module = importlib.util.module_from_spec(found)
     found.loader.exec_module(module)
     return module
 
-
 def call_reward_fn(reward_fn, texts, answers):
-    """A rule reward is user code. When the call on the batch fails (an exception, a wrong number of scores),
-    it is called again one response at a time, so that each failure is pinned on its response. Returns the
-    scores (nan where there is none) and what went wrong first: None when no single response fails although the
-    whole batch does."""
+    """The rule's scores (nan where none) and the first error, each response alone when the batch's call fails."""
     try:
         scores = [float(x) for x in reward_fn(texts, answers)]
         if len(scores) == len(texts):
@@ -1265,12 +1150,8 @@ def call_reward_fn(reward_fn, texts, answers):
             errors.append(f"an error ({type(e).__name__}: {e})")
     return scores, errors[0] if errors else None
 
-
 def reward_model_inputs(own_tokenizer, prompts, texts, device):
-    """A reward model's input when it has a tokenizer of its own: each prompt (text or chat messages, as the dataset
-    gives it) with its decoded response, through the reward model's chat template where it has one (a user turn and
-    an assistant turn), else the prompt text followed by the response with the tokenizer's own special tokens;
-    left-padded."""
+    """A reward model's own tokens of each prompt and response (through its chat template where it has one)."""
     sequences = []
     for prompt, text in zip(prompts, texts):
         if own_tokenizer.chat_template is not None:
@@ -1283,18 +1164,13 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
             sequences.append(own_tokenizer(prompt + text)["input_ids"])
     return left_pad(sequences, own_tokenizer.pad_token_id, device)
 
-
 @torch.no_grad()
 def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, stops=None):
-    """Mean raw score on the held-out (prompts, rows), sampled at the training temperature and greedy (with a rule
-    reward that is the accuracy). Each prompt has its own draws, the same at every evaluation and whatever the number
-    of processes. A reward that fails is put in stops, as in training, and nothing is returned: the run stops."""
+    """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
     prompts, rows = held_out
     rank = dist.get_rank() if dist.is_initialized() else 0
-    seeded = torch.Generator().manual_seed(args.seed)
-    uniforms = torch.rand(len(prompts), args.response_length, generator=seeded).to(device)
-    # Each process takes a contiguous share; the last one is topped up with uncounted copies of the last prompt, so
-    # that all run the same batches (FSDP needs that).
+    uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed))
+    # a contiguous share each, the last topped up with uncounted copies of the last prompt: the same batches (FSDP)
     share = -(-len(prompts) // args.world_size)
     mine = range(rank * share, (rank + 1) * share)
     counted = torch.tensor([i < len(prompts) for i in mine], device=device).float()
@@ -1306,33 +1182,33 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, ar
             prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
             responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
                                                    args.temperature, stop_ids, tokenizer.pad_token_id,
-                                                   None if greedy else uniforms[idx], args.decode)
-            input_ids = torch.cat([prompt_ids, responses], 1)
-            attention_mask = torch.cat([prompt_mask, response_mask], 1)
-            scores.append(score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses,
-                                          response_mask, [rows[i] for i in idx], args, stops)[0])
+                                                   None if greedy else uniforms[idx].to(device), args.decode)
+            scores.append(score_responses(reward_models, reward_fn, tokenizer, torch.cat([prompt_ids, responses], 1),
+                                          torch.cat([prompt_mask, response_mask], 1), responses, response_mask,
+                                          [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
     return {} if any(isinstance(r, str) for r in stops or []) else result
-# <<< shared: rewards and evaluation
 
 
-# >>> shared: checks and alarms
+# ---- checks and alarms
 def require(args, names, rule, ok):
     """Stop with one sentence when an argument breaks its rule, e.g. "--temperature must be positive (got 0.0)."."""
     for name in names:
         if not ok(getattr(args, name)):
             raise SystemExit(f"--{name} {rule} (got {getattr(args, name)}).")
 
-
 def check_common_args(args, responses_per_iteration):
     """The checks every script shares. Nothing is created here: a run that cannot start leaves nothing behind."""
+    embedded = [f"--{f.name}" for f in fields(args) if ASSETS in str(f.default) and getattr(args, f.name) == f.default]
+    if embedded and not os.path.isdir(ASSETS):  # this file copied alone
+        raise SystemExit(f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
+                         "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset).")
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
     require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length",
                    "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"),
             "must be at least 1", lambda v: v >= 1)
-    require(args, ("max_grad_norm", "temperature"), "must be positive", lambda v: v > 0)
+    require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
     require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
-    require(args, ("lora_alpha",), "must be positive", lambda v: v > 0)
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
@@ -1349,59 +1225,40 @@ def check_common_args(args, responses_per_iteration):
             print(f"--micro_batch_size {args.micro_batch_size} is more than the per-process minibatch of "
                   f"{local_minibatch} ({args.world_size} processes); using {local_minibatch}.")
         args.micro_batch_size = local_minibatch
-    if (args.minibatch_size // args.world_size) % args.micro_batch_size:
+    if local_minibatch % args.micro_batch_size:
         raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of "
-                         f"{args.minibatch_size // args.world_size}; pick one that does.")
+                         f"{local_minibatch}; pick one that does.")
     if args.total_episodes < responses_per_iteration:
         raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of "
                          f"{responses_per_iteration} responses; raise it.")
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
     load_reward_fn(args.reward_fn)
-    if args.model_dtype not in ("float32", "bfloat16", "float16"):
-        raise SystemExit(f"--model_dtype {args.model_dtype} is not one of float32, bfloat16, float16.")
-    # --decode auto: a CUDA graph where one can be captured, which is not under torchrun (FSDP2's forward hooks sync
-    # streams); elsewhere the dynamic loop, since the static one alone holds its cache through training and gains
-    # little: on the CPU 1.0x to 1.2x, torch.compile of its step 1.1x to 1.35x after 6 to 39 s of compilation per
-    # shape, on under a tenth of an iteration (bench/generate.md); the default CPU runs stay as they were, bitwise
+    # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
     if args.decode == "cuda_graph" and (not torch.cuda.is_available() or dist.is_initialized()):
         raise SystemExit("--decode cuda_graph needs a GPU and one process (FSDP2's hooks under torchrun cannot be "
                          "captured in a CUDA graph); pass --decode static.")
     if args.mixed_precision and args.model_dtype != "float32":
-        raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype "
-                         "(or make it float32).")
-    check_model_path(args.model_name_or_path, "causal", "--model_name_or_path")
-    for p in args.reward_model_path:
-        check_model_path(p, "classifier", "--reward_model_path")
+        raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
+    check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
+    for path in args.reward_model_path:
+        check_model_path(path, "sequence classifier", "--reward_model_path")
     find_checkpoint(args)
-    # A folder that cannot be written would otherwise fail only when the first metrics are written. It is made and
-    # written to here, then removed again (with any parents made for it) until the run starts writing.
-    first_made = os.path.abspath(args.output_dir)
-    while os.path.dirname(first_made) != first_made and not os.path.exists(os.path.dirname(first_made)):
-        first_made = os.path.dirname(first_made)
-    first_made = None if os.path.exists(args.output_dir) else first_made
-    try:  # by rank 0 alone: another process's removal would race with its writing
-        if int(os.environ.get("RANK", 0)) != 0:
-            return
-        os.makedirs(args.output_dir, exist_ok=True)
-        tempfile.TemporaryFile(dir=args.output_dir).close()
+    existing = os.path.abspath(args.output_dir)
+    while not os.path.exists(existing):  # its nearest existing folder, where it will be made
+        existing = os.path.dirname(existing)
+    try:  # a folder that cannot be written fails now, not at the first save; nothing is left behind
+        tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
         raise SystemExit(f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a "
                          "folder you can write.")
-    finally:
-        if first_made and os.path.isdir(first_made):
-            shutil.rmtree(first_made)
-
 
 def failure_alarms(m, state, args):
-    """Which failure signatures show in this iteration's metrics m. Collapse is measured against the run's
-    first values and value divergence against a moving average, both kept in state (updated here). A
-    signature whose metric is not logged (no critic, no reference model) never fires."""
-    firsts = (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"),
-              ("first_value_loss", "val/loss"))
-    for key, metric in firsts:
+    """Which failure signatures show in m, against first values and the value loss's moving average (in state)."""
+    for key, metric in (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"),
+                        ("first_value_loss", "val/loss")):
         if state.get(key) is None:
             state[key] = m.get(metric)
     if "val/loss" in m:
@@ -1409,45 +1266,33 @@ def failure_alarms(m, state, args):
         state["value_loss_ema"] = m["val/loss"] if ema is None else 0.9 * ema + 0.1 * m["val/loss"]
     def fell(metric, first):  # below --alarm_collapse of its first value
         return m.get(metric) is not None and state[first] is not None and m[metric] < args.alarm_collapse * state[first]
-
     rising = "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"]
-    return {
-        "kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
-        "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
-        "entropy_collapse": fell("policy/entropy", "first_entropy"),
-        "value_divergence": rising,  # the value loss rising, not falling
-        "diversity_collapse": fell("response/distinct2", "first_distinct2"),
-    }
-
+    return {"kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
+            "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
+            "entropy_collapse": fell("policy/entropy", "first_entropy"),
+            "value_divergence": rising,  # the value loss rising, not falling
+            "diversity_collapse": fell("response/distinct2", "first_distinct2")}
 
 ALARMS = {
-    "kl_explosion": "KL to the reference is past --alarm_kl: raise --kl_coef (and --kl_target where there is one), "
-                    "lower the learning rate.",
-    "clip_fraction": "over --alarm_clipfrac of tokens are clipped: steps too large; lower the learning rate or "
-                     "--num_epochs.",
-    "entropy_collapse": "entropy fell below --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, or "
-                        "stop earlier.",
-    "value_divergence": "the value loss (moving average) rose above its first value: keep --normalize_reward, lower "
-                        "--value_learning_rate.",
-    "diversity_collapse": "distinct-2 fell below --alarm_collapse of its first value: responses repeat; raise "
-                          "--kl_coef, stop earlier.",
+    "kl_explosion": "KL to the reference past --alarm_kl: raise --kl_coef (or --kl_target), lower the learning rate.",
+    "clip_fraction": "over --alarm_clipfrac of tokens clipped: lower the learning rate or --num_epochs.",
+    "entropy_collapse": "entropy under --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, stop.",
+    "value_divergence": "the value loss rose above its start: keep --normalize_reward, lower --value_learning_rate.",
+    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier.",
 }
-# <<< shared: checks and alarms
 
 
-# >>> shared: checkpoints, stop signals and bad steps
-# What may differ between a run and its resumption (the number of processes too); every other argument must be the
-# same.
+# ---- checkpoints, stop signals and bad steps
+# What may differ between a run and its resumption (the number of processes too); every other argument must match.
 RESUMABLE = ("resume", "num_iterations", "world_size", "output_dir", "total_episodes", "save_every", "keep_checkpoints",
              "max_bad_steps", "on_reward_error", "track", "wandb_project", "exp_name", "log_samples_every")
-
+USUAL_CAUSES = ("the usual causes are a learning rate too high (lower it), rewards of a large scale (normalise them), "
+                "bf16 or fp16 overflow (--model_dtype float32)")
 
 def checkpoints_in(folder):
     """The finished checkpoints in folder, oldest first (a save cut short is left under a '.tmp' name)."""
-    names = [n for n in os.listdir(folder) if n.startswith("checkpoint-") and n[11:].isdigit()] \
-        if os.path.isdir(folder) else []
+    names = [n for n in os.listdir(folder) if re.fullmatch(r"checkpoint-\d+", n)] if os.path.isdir(folder) else []
     return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[11:]))]
-
 
 def all_processes(value):
     """Every process's value (a small picklable object) in rank order, on every process; [value] in a plain run."""
@@ -1457,17 +1302,30 @@ def all_processes(value):
     dist.all_gather_object(values, value)
     return values
 
+def read_json(path):
+    """The JSON in a file, or None where it is missing or not JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+def digest(entries):
+    """The SHA-256 of a dict's entries (JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
 
 def run_identity(args):
-    """What a checkpoint records of the run that made it: the script, and a digest of the arguments that must be the
-    same to resume it (all but RESUMABLE)."""
-    fixed = json.dumps({k: v for k, v in asdict(args).items() if k not in RESUMABLE}, sort_keys=True)
-    return {"script": os.path.basename(__file__), "args_sha256": hashlib.sha256(fixed.encode()).hexdigest()}
+    """What a checkpoint records of its run: the script and a digest of the arguments (all but RESUMABLE)."""
+    fixed = {k: v for k, v in asdict(args).items() if k not in RESUMABLE}
+    return {"script": os.path.basename(__file__), "args_sha256": digest(fixed)}
 
+def checkpoint_identity(path):
+    """The script and the arguments' digest recorded in a checkpoint's manifest (None each where unreadable)."""
+    manifest = read_json(os.path.join(path, "manifest.json"))
+    return {k: manifest.get(k) if isinstance(manifest, dict) else None for k in ("script", "args_sha256")}
 
 def file_digests(folder, names):
-    """{name: {"bytes": size, "sha256": checksum}} of files in folder, the reading shared out over the processes (each
-    takes every world_size-th file); the same on every process."""
+    """{name: {"bytes": size, "sha256": checksum}} of files in folder, on every process, each reading a share."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = {}
     for name in names[rank::world]:
@@ -1475,37 +1333,22 @@ def file_digests(folder, names):
             mine[name] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
     return {name: entry for part in all_processes(mine) for name, entry in part.items()}
 
-
-def manifest_digest(manifest):
-    """A checksum of a manifest's own entries (all but this one), so that a manifest damaged in place shows too."""
-    return hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "sha256"}, sort_keys=True).encode()
-                          ).hexdigest()
-
-
 def write_manifest(folder, args, iteration, rank):
-    """manifest.json, the last file written into a checkpoint: the size and checksum of every other file, the run's
-    identity and the iteration, and a checksum of all that."""
+    """manifest.json, a checkpoint's last file: each file's size and checksum, the run, the iteration, a checksum."""
     manifest = {**run_identity(args), "iteration": iteration, "files": file_digests(folder, sorted(os.listdir(folder)))}
-    manifest["sha256"] = manifest_digest(manifest)
+    manifest["sha256"] = digest(manifest)  # of its own entries: a manifest damaged in place shows too
     if rank == 0:
-        with open(os.path.join(folder, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=2)
-
+        pathlib.Path(folder, "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 def checkpoint_damage(path):
-    """What is wrong with a checkpoint, in a few words that name the file, or None when it is whole: its manifest
-    intact, and every file the manifest lists there with its size and checksum (read once, shared out over the
-    processes)."""
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-        files = {name: (entry["bytes"], entry["sha256"]) for name, entry in manifest["files"].items()}
-        intact = manifest["sha256"] == manifest_digest(manifest)
-    except FileNotFoundError:
+    """What is wrong with a checkpoint, in words that name the file, or None when it matches its manifest."""
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
         return "it has no manifest.json, as a save cut short or a checkpoint older than manifests"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        intact = False
-    if not intact:
+    manifest = read_json(os.path.join(path, "manifest.json"))
+    try:
+        files = {name: (entry["bytes"], entry["sha256"]) for name, entry in manifest["files"].items()}
+        assert manifest["sha256"] == digest({k: v for k, v in manifest.items() if k != "sha256"})
+    except (AssertionError, KeyError, TypeError, AttributeError):
         return "its manifest.json is damaged"
     for name, (size, _) in sorted(files.items()):
         if not os.path.isfile(os.path.join(path, name)):
@@ -1516,11 +1359,8 @@ def checkpoint_damage(path):
     changed = [name for name in sorted(files) if found[name]["sha256"] != files[name][1]]
     return f"{changed[0]} does not match the checksum it was saved with" if changed else None
 
-
 def find_checkpoint(args):
-    """Turn --resume into a whole checkpoint of this run (or None) and check it against the arguments, before any
-    model loads: 'auto' takes the newest checkpoint in --output_dir that is whole, saying which it skips. A run never
-    mixes its checkpoints with another run's: it refuses a folder that holds checkpoints it does not resume."""
+    """--resume as a whole checkpoint of this run, or None ('auto': the newest whole one): runs never mix."""
     say, held = int(os.environ.get("RANK", 0)) == 0, checkpoints_in(args.output_dir)
     if args.resume == "auto":
         args.resume = None
@@ -1535,112 +1375,75 @@ def find_checkpoint(args):
             raise SystemExit(f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
                              "afresh there, or pass another --output_dir.")
         if say:
-            found = f"resuming from {args.resume}" if args.resume else f"no checkpoint in {args.output_dir}"
-            print(f"--resume auto: {found}" + ("" if args.resume else ", starting afresh"))
-    elif args.resume:
-        check_resume_path(args)
+            print(f"--resume auto: resuming from {args.resume}" if args.resume else
+                  f"--resume auto: no checkpoint in {args.output_dir}, starting afresh")
+    elif args.resume:  # a path: normalised, a whole checkpoint, or one sentence with the newest whole one beside it
+        path = args.resume = os.path.normpath(args.resume)
+        if path.endswith(".tmp"):
+            raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder, never finished); "
+                             "pass --resume auto.")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
+            raise SystemExit(f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
+                             f"{args.output_dir}/checkpoint-N folder, or auto.")
+        damage = checkpoint_damage(path)
+        if damage:
+            whole = next((p for p in reversed(checkpoints_in(os.path.dirname(path))) if p != path
+                          and not checkpoint_damage(p)), None)
+            raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; " + (
+                f"resume from {whole}, the newest whole checkpoint beside it." if whole else
+                "no checkpoint beside it is whole, so start afresh in another --output_dir."))
     if held and not args.resume:
-        same = checkpoint_identity(held[-1]) == run_identity(args)
-        raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of "
-                         f"{'an earlier run with these arguments' if same else 'another run'} (the newest: "
+        which = "an earlier run with these arguments" if checkpoint_identity(held[-1]) == run_identity(args) else \
+            "another run"
+        raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of {which} (the newest: "
                          f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
                          "to start afresh.")
     if held and os.path.realpath(os.path.dirname(args.resume)) != os.path.realpath(args.output_dir):
         raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
-                         f"'{args.resume}' there would mix them with its own; pass an --output_dir without "
-                         "checkpoints.")
-    made_by = checkpoint_identity(args.resume)["script"] if args.resume else os.path.basename(__file__)
-    if made_by != os.path.basename(__file__):
-        raise SystemExit(f"'{args.resume}' is a checkpoint of {made_by}, not of {os.path.basename(__file__)}; resume "
-                         f"it with {made_by}, or start {os.path.basename(__file__)} in another --output_dir.")
-    saved = json.load(open(os.path.join(args.resume, "args.json"))) if args.resume else {}
+                         f"'{args.resume}' there would mix them with its own; pass another --output_dir.")
+    script = os.path.basename(__file__)
+    made_by = checkpoint_identity(args.resume)["script"] if args.resume else script
+    if made_by != script:
+        raise SystemExit(f"'{args.resume}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
+                         f"or start {script} in another --output_dir.")
+    saved = read_json(os.path.join(args.resume, "args.json")) if args.resume else {}
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
     changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
     if changed:
         raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
                          f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change).")
 
-
-def check_resume_path(args):
-    """--resume PATH: a finished checkpoint that is whole, else one sentence naming the damage and the newest whole
-    checkpoint beside it. The path is normalised (no trailing slash)."""
-    path = args.resume = os.path.normpath(args.resume)
-    if path.endswith(".tmp"):
-        raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder, never finished); pass "
-                         "--resume auto for the newest whole checkpoint beside it.")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
-        raise SystemExit(f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
-                         f"{args.output_dir}/checkpoint-N folder, or auto.")
-    damage = checkpoint_damage(path)
-    if damage:
-        whole = next((p for p in reversed(checkpoints_in(os.path.dirname(path))) if p != path
-                      and not checkpoint_damage(p)), None)
-        raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; " + (
-            f"resume from {whole}, the newest whole checkpoint beside it." if whole else
-            "no checkpoint beside it is whole, so start afresh in another --output_dir."))
-
-
-def checkpoint_identity(path):
-    """The script and the digest of the arguments recorded in a checkpoint's manifest (None each where unreadable)."""
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        manifest = {}
-    return {k: manifest.get(k) if isinstance(manifest, dict) else None for k in ("script", "args_sha256")}
-
-
 def trainer_state_dicts(models, optimizers):
     """Each trained model's and optimiser's state, keyed by parameter name (under FSDP2, this process's shards)."""
     return {k: dict(zip(("model", "optimizer"), get_state_dict(models[k], optimizers[k]))) for k in models}
 
-
-def together(step, here=True):
-    """Run step() where here is true and return the first write error of any process, in words (None when there is
-    none), on every process: a write that fails on one process stops them all at the same place."""
-    error = None
-    try:
-        if here:
-            step()
-    except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
-        if isinstance(e, dcp.CheckpointException):  # it wraps each process's error with its traceback
-            e = next(iter(e.failures.values()))
-            e = e[0] if isinstance(e, tuple) else e
-        error = f"{type(e).__name__}: {e}"[:300]
-    return next((e for e in all_processes(error) if e), None)
-
-
-def is_saved(path, state, args):
-    """Whether path holds this very state of this run already (a stop right after a save, or right after resuming):
-    the same state.json and identity. Another run's checkpoint-N, or a damaged one, is written over."""
-    try:
-        with open(os.path.join(path, "state.json")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        return False
-    return saved == json.loads(json.dumps(state)) and checkpoint_identity(path) == run_identity(args)
-
-
 def save_checkpoint(args, models, optimizers, state, rank):
-    """Everything a resumed run needs (the trained models and optimisers, each process writing its own shards with
-    torch.distributed.checkpoint; the state; the log so far), written under a temporary name with a manifest of
-    every file's size and checksum last, then renamed: a kill during a save leaves the previous checkpoint whole, and
-    damage done to a checkpoint later shows when it is resumed. A model that is not finite is not written; a write
-    that fails (a full disk) stops the run with one sentence. Then all but the newest --keep_checkpoints are
-    deleted."""
+    """What a resumed run needs, as a .tmp with its manifest last, then renamed; all but --keep_checkpoints go."""
     path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
     tmp = path + ".tmp"
-    if all_processes(rank == 0 and is_saved(path, state, args))[0]:
+    saved = rank == 0 and read_json(os.path.join(path, "state.json")) == json.loads(json.dumps(state))
+    if all_processes(saved and checkpoint_identity(path) == run_identity(args))[0]:  # a stop just after a save
         return path
     refuse_non_finite(models, f"{path} is not written", args)
+
+    def together(step, here=True):  # step() where here is true; the first error of any process, on all of them
+        error = None
+        try:
+            if here:
+                step()
+        except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
+            if isinstance(e, dcp.CheckpointException):  # it wraps each process's error with its traceback
+                e = next(iter(e.failures.values()))
+                e = e[0] if isinstance(e, tuple) else e
+            error = f"{type(e).__name__}: {e}"[:300]
+        return next((e for e in all_processes(error) if e), None)
 
     def begin():  # rank 0: the folder, the log so far, the arguments and the state
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
         for name, content in (("args.json", asdict(args)), ("state.json", state)):
-            with open(os.path.join(tmp, name), "w") as f:
-                json.dump(content, f, indent=2)
+            pathlib.Path(tmp, name).write_text(json.dumps(content, indent=2))
 
     def shards():  # every process; returns when every process has written
         with warnings.catch_warnings():  # a plain run's checkpoint is written by one process, as meant: no warning
@@ -1664,10 +1467,8 @@ def save_checkpoint(args, models, optimizers, state, rank):
         raise SystemExit(write_failure(f"writing {path}", error, args, needed) if rank == 0 else 1)
     return path
 
-
 def write_failure(what, error, args, needed_mb=None):
-    """One sentence for a write that failed: the folder, its free space against what was needed (where known), and
-    the last good checkpoint to go on from."""
+    """One sentence for a failed write: the free space against what was needed, and the checkpoint to go on from."""
     free_mb = shutil.disk_usage(args.output_dir).free / 2**20
     need = f" and about {needed_mb:.0f} MB are needed" if needed_mb else ""
     newest = (checkpoints_in(args.output_dir) or [None])[-1]
@@ -1675,97 +1476,76 @@ def write_failure(what, error, args, needed_mb=None):
     return (f"{what} failed ({error}); '{args.output_dir}' has {free_mb:.0f} MB free{need}: free some space (or make "
             f"the folder writable again) and {then}.")
 
-
 def load_checkpoint(path, models, optimizers):
-    """Put the trained models and optimisers back as they were saved (resharded, should the number of processes
-    differ); returns the state. Nothing random needs restoring: every draw of an iteration is seeded by (seed,
-    iteration)."""
+    """Models and optimisers as saved, for any process count; the state (every draw is seeded by the iteration)."""
     saved = trainer_state_dicts(models, optimizers)
     dcp.load(saved, checkpoint_id=path)
     for k in models:
         set_state_dict(models[k], optimizers[k], model_state_dict=saved[k]["model"],
                        optim_state_dict=saved[k]["optimizer"])
-    with open(os.path.join(path, "state.json")) as f:
-        return json.load(f)
-
+    return read_json(os.path.join(path, "state.json"))
 
 def catch_stop_signals():
-    """SIGTERM (a cluster taking the machine back) or Ctrl-C asks the run to stop where it can save; a second
-    one ends it at once, leaving the last checkpoint as it is. Returns the list of the reasons to stop: the numbers
-    of the signals received, to which a reward that fails adds its message."""
-    received = []
+    """SIGTERM or Ctrl-C stops the run where it can save, a second at once: the list of reasons to stop (signals)."""
+    stops = []
 
     def on_signal(signum, frame):
-        if any(isinstance(r, int) for r in received):
+        if any(isinstance(r, int) for r in stops):
             os._exit(128 + signum)
-        received.append(signum)
-        print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (send it again to quit at once)",
-              flush=True)
+        stops.append(signum)
+        print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (again: quit at once)", flush=True)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return received
+    return stops
 
-
-def stop_and_save(received, args, models, optimizers, state, rank, device):
-    """When any process was signalled or met a failure (a reward that failed, in received), or --max_bad_steps were
-    reached, every process saves this state and the run exits (non-zero), rank 0 saying why, once, and how to go on.
-    After bad steps the state saved is the one the skipped steps left, its count of them cleared for the resumed
-    run."""
-    signum = next((r for r in received if isinstance(r, int)), 0)
-    failure = next((r for r in received if isinstance(r, str)), None)
-    flags = torch.tensor([signum, failure is not None, state["bad_steps"] >= args.max_bad_steps], device=device)
+def stop_and_save(stops, args, models, optimizers, state, rank, device):
+    """When any process has a reason to stop (a signal, a failed reward, --max_bad_steps), all save and exit."""
+    signum = next((r for r in stops if isinstance(r, int)), 0)
+    failure = next((r for r in stops if isinstance(r, str)), None)
+    reasons = {"signal": signum, "failure": failure is not None, "bad_steps": state["bad_steps"] >= args.max_bad_steps}
+    found = torch.tensor(list(reasons.values()), device=device)
     if args.world_size > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    if not flags.any().item():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    reasons = dict(zip(reasons, found.tolist()))
+    if not any(reasons.values()):
         return
-    if flags[1].item():  # the message of the first process that failed
+    if reasons["failure"]:  # the message of the first process that failed
         failure = next(f for f in all_processes(failure) if f)
-    elif flags[2].item():
+    elif reasons["bad_steps"]:
         failure = (f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration "
-                   f"{state['iteration']}); the usual causes are a learning rate too high (lower it), rewards of a "
-                   "large scale (normalise them), bf16 or fp16 overflow (--model_dtype float32).")
+                   f"{state['iteration']}); {USUAL_CAUSES}.")
         state = dict(state, bad_steps=0)
     path = save_checkpoint(args, models, optimizers, state, rank)
     command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
     if rank == 0:
         print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
               f"--resume {path}", flush=True)
-    raise SystemExit((failure if rank == 0 else 1) if failure else 128 + flags[0].item())
+    raise SystemExit((failure if rank == 0 else 1) if failure else 128 + reasons["signal"])
 
-
-def clip_grad_norm(model, max_norm):
-    """Clip the model's gradient norm to max_norm; returns the norm before clipping (under FSDP2, over all
-    shards)."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
-def step_is_finite(grad_norms, state, iteration, args):
-    """A non-finite gradient norm (from a non-finite loss, advantage or value) skips the optimiser step, leaving
-    the weights and optimiser states as they were. After --max_bad_steps in a row the iteration's other steps are
-    skipped too, and the run stops at its end (stop_and_save), saving the state the skipped steps left."""
+def step_is_finite(grad_norms, stats, state, iteration, args):
+    """Whether to step: not on a nan or inf gradient norm, nor after --max_bad_steps in a row (norms into stats)."""
+    grad_norms = {k: n.full_tensor() if isinstance(n, DTensor) else n for k, n in grad_norms.items()}  # FSDP2: all
+    for name, norm in grad_norms.items():
+        stats[f"grad_norm/{name}"] += norm.item()
+    stats["steps"] += 1
     if state["bad_steps"] >= args.max_bad_steps:
         state["skipped_steps"] += 1
         return False
-    state["bad_steps"] = 0 if all(torch.isfinite(n) for n in grad_norms) else state["bad_steps"] + 1
+    state["bad_steps"] = 0 if all(torch.isfinite(n) for n in grad_norms.values()) else state["bad_steps"] + 1
     state["skipped_steps"] += state["bad_steps"] > 0
     if state["bad_steps"] == 1:
-        print(f"iteration {iteration}: a non-finite loss or gradient; optimiser steps are skipped until a finite one",
-              flush=True)
+        print(f"iteration {iteration}: a non-finite loss or gradient; steps are skipped until a finite one", flush=True)
     return state["bad_steps"] == 0
 
-
 def non_finite_weight(models):
-    """The name of a trained weight that holds a nan or an inf, the same on every process (under FSDP2 each looks at
-    its own shards), or None. When all is well that costs one fused reduction: the largest |w| of each tensor."""
+    """The name of a trained weight holding a nan or an inf (on every process), or None; one fused reduction."""
     named = [(f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
              for key, model in models.items() for name, p in model.named_parameters() if p.requires_grad]
     named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
     largest = torch._foreach_norm([p for _, p in named], float("inf"), dtype=torch.float32) if named else []
-    bad = torch.zeros((), device=next(p.device for m in models.values() for p in m.parameters()))
-    if named:
-        bad = (~torch.isfinite(torch.stack(largest))).any().float()
+    device = next(p.device for m in models.values() for p in m.parameters())
+    bad = (~torch.isfinite(torch.stack(largest))).any().float() if named else torch.zeros((), device=device)
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if not bad.item():
@@ -1773,46 +1553,22 @@ def non_finite_weight(models):
     mine = next((name for (name, _), x in zip(named, largest) if not torch.isfinite(x)), None)
     return next(n for n in all_processes(mine) if n)
 
-
 def refuse_non_finite(models, what, args):
-    """Stop every process, rank 0 naming the weight, when a trained weight holds a nan or an inf: what says what is
-    refused."""
+    """Stop every process, rank 0 naming the weight, when a trained weight holds a nan or an inf (what is refused)."""
     name = non_finite_weight(models)
     if name:
         newest = (checkpoints_in(args.output_dir) or [None])[-1]
-        raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; the usual causes are a learning rate too "
-                         "high (lower it), rewards of a large scale (normalise them), bf16 or fp16 overflow "
-                         "(--model_dtype float32)" + (f"; the newest checkpoint is {newest}." if newest else ".")
+        raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}"
+                         + (f"; the newest checkpoint is {newest}." if newest else ".")
                          if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 
 
-def optimizer_step(models, optimizers, stats, state, iteration, args):
-    """One step of every trained model on the gradients accumulated so far: each clipped to --max_grad_norm (the
-    norms before clipping go to stats), the whole step skipped when any norm is not finite. A finite gradient can
-    still make a weight non-finite (a learning rate far too high, an overflow): the run then stops at once, since
-    going back would need a copy of every weight and Adam state from before each step (twice their memory)."""
-    norms = {name: clip_grad_norm(model, args.max_grad_norm) for name, model in models.items()}
-    for name, norm in norms.items():
-        stats[f"grad_norm/{name}"] += norm.item()
-    finite = step_is_finite(norms.values(), state, iteration, args)
-    for optimizer in optimizers.values():
-        if finite:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    if finite:
-        refuse_non_finite(models, f"an optimiser step of iteration {iteration} left a weight non-finite", args)
-    stats["steps"] += 1
-# <<< shared: checkpoints, stop signals and bad steps
-
-
-# >>> shared: dashboard and log
+# ---- dashboard and log
 NOT_SUMS = ("tokens", "steps", "ratio_max", "first_ratio_dev")  # the keys of stats that are not sums over tokens
-
 
 @torch.no_grad()
 def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
-    """Add a micro-batch's per-token statistics (b, T) to the iteration's sums over valid tokens: each of terms, the
-    ratio's mean and the approximate KL; and the ratio's max and how far the first micro-batch's ratio is from 1."""
+    """Add a micro-batch's per-token terms (micro, T), the ratio's and the approximate KL, to the iteration's sums."""
     log_ratio = (logprobs - logprobs_old) * mask
     terms = {**terms, "policy/ratio_mean": ratio, "policy/approx_kl": (ratio - 1) - log_ratio}
     for key, x in terms.items():
@@ -1822,13 +1578,9 @@ def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
     if "first_ratio_dev" not in stats:  # ~0 unless logprobs_old went stale: a free sanity check
         stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
 
-
 def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, rollout, P, reward_errors, times, models,
               optimizers, responses_per_iteration, args):
-    """The metrics every script logs, as batch statistics over all processes: the score, the optimisation's means
-    per token (gradient norms per step), the responses' length, ending and diversity, time, health and memory.
-    times: (t0, t_generate, t_score, t_optimize) of the iteration."""
-    t0, t_generate, t_score, t_optimize = times
+    """The metrics every script logs, over all processes; times: (t0, generate, score, optimize)."""
     device = raw_score.device
     sums = sorted(k for k in stats if k not in NOT_SUMS)
     totals = torch.tensor([stats[k] for k in sums] + [stats["tokens"], stats["steps"]], device=device,
@@ -1838,83 +1590,61 @@ def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, roll
         dist.all_reduce(totals)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
     n_tokens, n_steps = totals[-2].item(), totals[-1].item()
-    lengths = response_mask.sum(1).float()
     token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], rollout["response_mask"].sum(1))]
-    m = {
-        "iteration": state["iteration"],
-        "episodes": state["episodes"],
-        "objective/score": global_mean(raw_score),
-        "policy/first_ratio_dev": stats.get("first_ratio_dev"),
-        "policy/ratio_max": ratio_max.item(),
-        "response/length": global_mean(lengths),
-        "response/eos_rate": global_mean(has_eos),
-        "response/distinct1": distinct_n(token_lists, 1),  # over all processes' responses
-        "response/distinct2": distinct_n(token_lists, 2),
-        "time/generate": t_generate,
-        "time/score": t_score,
-        "time/optimize": t_optimize,
-        "time/iteration": time.time() - t0,
-        "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
-        "health/skipped_steps": state["skipped_steps"],
-        "memory/model_states_mb": megabytes_held(models, optimizers.values()),  # this process's (rank 0's)
-    }
+    m = {"iteration": state["iteration"], "episodes": state["episodes"], "objective/score": global_mean(raw_score),
+         "policy/first_ratio_dev": stats.get("first_ratio_dev"), "policy/ratio_max": ratio_max.item(),
+         "response/length": global_mean(response_mask.sum(1).float()), "response/eos_rate": global_mean(has_eos),
+         "response/distinct1": distinct_n(token_lists, 1), "response/distinct2": distinct_n(token_lists, 2),
+         "time/generate": times[1], "time/score": times[2], "time/optimize": times[3],
+         "time/iteration": time.time() - times[0],
+         "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
+         "health/skipped_steps": state["skipped_steps"],
+         "memory/model_states_mb": megabytes_held(models, optimizers.values())}  # this process's (rank 0's)
     if rule_scores is not None:
         m["objective/accuracy"] = global_mean(rule_scores)
     m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in zip(sums, totals.tolist())})
     m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
     return m
 
-
 def resumed_log(checkpoint, metrics):
-    """A resumed run's metrics.jsonl: the checkpoint's rows, the truth up to its iteration, written whole (a line cut
-    short is dropped, and said); what the run's own log held after them is kept in a side file beside it, not
-    overwritten."""
-    with open(os.path.join(checkpoint, "metrics.jsonl")) as f:
-        lines = f.read().splitlines(keepends=True)
-    rows = [line for line in lines if line.endswith("\n") and is_row(line)]
+    """A resumed run's log: the checkpoint's whole rows; the run's own later lines kept in a side file."""
+    lines = pathlib.Path(checkpoint, "metrics.jsonl").read_text().splitlines(keepends=True)
+    rows = []
+    for line in lines:  # whole rows: JSON objects, ended by a newline
+        try:
+            rows += [line] if line.endswith("\n") and isinstance(json.loads(line), dict) else []
+        except ValueError:
+            pass
     if len(rows) < len(lines):
         print(f"--resume: dropped {len(lines) - len(rows)} line(s) of {checkpoint}/metrics.jsonl that are not whole "
               "rows (a write cut short)")
-    own = open(metrics).read().splitlines(keepends=True) if os.path.isfile(metrics) else []
+    own = pathlib.Path(metrics).read_text().splitlines(keepends=True) if os.path.isfile(metrics) else []
     same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
     if own[same:]:
-        side, n = metrics.replace(".jsonl", f".after-{os.path.basename(checkpoint)}.jsonl"), 1
+        stem = f"{os.path.splitext(metrics)[0]}.after-{os.path.basename(checkpoint)}"
+        side, n = f"{stem}.jsonl", 1
         while os.path.exists(side):
-            side, n = metrics.replace(".jsonl", f".after-{os.path.basename(checkpoint)}-{n + 1}.jsonl"), n + 1
-        with open(side, "w") as f:
-            f.writelines(own[same:])
+            n += 1
+            side = f"{stem}-{n}.jsonl"
+        pathlib.Path(side).write_text("".join(own[same:]))
         print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
-    with open(metrics, "w") as f:
-        f.writelines(rows)
-
-
-def is_row(line):
-    """Whether a line of metrics.jsonl is a whole row (a JSON object)."""
-    try:
-        return isinstance(json.loads(line), dict)
-    except ValueError:
-        return False
-
+    pathlib.Path(metrics).write_text("".join(rows))
 
 class Log:
-    """What a run shows and keeps, written by rank 0 alone: args.json, metrics.jsonl (a JSON line per iteration, the
-    file a checkpoint copies), a line printed per iteration with its alarms and, now and then, sample rows, a live
-    progress bar in a terminal, and wandb."""
+    """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
 
     def __init__(self, args, state, rank, tokenizer):
         self.args, self.tokenizer, self.on = args, tokenizer, rank == 0
         self.file = self.wandb = None
         if self.on:
             os.makedirs(args.output_dir, exist_ok=True)
-            with open(os.path.join(args.output_dir, "args.json"), "w") as f:
-                json.dump(asdict(args), f, indent=2)
+            pathlib.Path(args.output_dir, "args.json").write_text(json.dumps(asdict(args), indent=2))
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
             if args.resume:  # the log as far as the checkpoint goes, then on from there
                 resumed_log(args.resume, metrics)
             self.file = open(metrics, "a" if args.resume else "w")
-            self.wandb = start_wandb(args, state) if args.track else None
+            self.wandb = self.start_wandb(state) if args.track else None
         self.t_start = time.time() - state["elapsed"]
-        # The bar, with the time left, in a terminal only (a log file keeps one line per iteration); lines go above it.
         self.progress = tqdm(total=args.num_iterations, initial=state["iteration"], unit="iter", dynamic_ncols=True,
                              disable=not self.on or not sys.stderr.isatty())
 
@@ -1929,15 +1659,13 @@ class Log:
                 self.wandb.log(m, step=step)
 
     def before_training(self, evaluation):
-        """The held-out score of the starting policy, logged as iteration 0 (none when a reward failed: the run
-        stops)."""
-        if not evaluation:
-            return
-        m = {"iteration": 0, "episodes": 0, **evaluation, "time/elapsed": time.time() - self.t_start}
-        if self.on:
-            print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy "
-                  f"{m['eval/score_greedy']:+.3f}", flush=True)
-        self.write(m, step=0)
+        """The starting policy's held-out score, logged as iteration 0 (none when a reward failed)."""
+        if evaluation:
+            m = {"iteration": 0, "episodes": 0, **evaluation, "time/elapsed": time.time() - self.t_start}
+            if self.on:
+                print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy "
+                      f"{m['eval/score_greedy']:+.3f}", flush=True)
+            self.write(m, step=0)
 
     def iteration(self, m, state, prompt_ids, texts, scores):
         """The alarms, the printed line, the bar, the log; sample rows (prompt, response, score) now and then."""
@@ -1949,12 +1677,10 @@ class Log:
             shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
             tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
                        f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}")
-            for name, on in firing.items():
-                if on and name not in state["alarms_on"]:
-                    tqdm.write(f"ALARM {name}: {ALARMS[name]}")
-            objective = {label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED
-                         if key in m and key.startswith("objective/")}
-            self.progress.set_postfix(objective, refresh=False)
+            for name in [name for name, on in firing.items() if on and name not in state["alarms_on"]]:
+                tqdm.write(f"ALARM {name}: {ALARMS[name]}")
+            self.progress.set_postfix({label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED
+                                       if key in m and key.startswith("objective/")}, refresh=False)
             self.progress.update()
             self.write(m, step=state["episodes"])
             if iteration % args.log_samples_every == 0 or iteration == 1:
@@ -1967,6 +1693,19 @@ class Log:
                     self.wandb.log({"samples": table}, step=state["episodes"])
         state["alarms_on"] = [name for name, on in firing.items() if on]
 
+    def start_wandb(self, state):
+        """wandb, logging offline (upload later with `wandb sync`) when its server cannot be reached within seconds."""
+        import wandb
+        url, args = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), self.args
+        if os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not reachable(url):
+            print(f"wandb: {urlparse(url).hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
+                  "(upload it later with `wandb sync`)")
+            os.environ["WANDB_MODE"] = "offline"
+        state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in its wandb run
+        wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args), id=state["wandb_id"],
+                   resume="allow", dir=args.output_dir, save_code=True)
+        return wandb
+
     def close(self):
         self.progress.close()
         if self.on:
@@ -1974,38 +1713,11 @@ class Log:
             if self.wandb:
                 self.wandb.finish()
 
-
-def start_wandb(args, state):
-    """wandb, logging offline (upload later with `wandb sync`) when its server cannot be reached within seconds."""
-    import socket
-    from urllib.parse import urlparse
-
-    import wandb
-
-    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
-    try:
-        if os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
-            socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
-    except OSError:
-        print(f"wandb: {url.hostname} cannot be reached; logging offline under {args.output_dir}/wandb (upload it "
-              "later with `wandb sync`)")
-        os.environ["WANDB_MODE"] = "offline"
-    state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in the same wandb run
-    wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args), id=state["wandb_id"],
-               resume="allow", dir=args.output_dir, save_code=True)
-    return wandb
-
-
 def finish(policy, tokenizer, log, state, args, rank):
-    """The trained policy and its tokenizer saved where from_pretrained loads them (under FSDP2, gathered from the
-    shards; under LoRA, merged or the adapters alone); the log closed; the processes' group ended. A policy with a
-    non-finite weight, or whose last optimiser steps had a non-finite loss or gradient, is not saved: the run stops
-    with one sentence."""
+    """The policy and tokenizer saved for from_pretrained, unless not finite; the log and the processes closed."""
     if state["bad_steps"]:
         raise SystemExit(f"the last {state['bad_steps']} optimiser step(s) had a non-finite loss or gradient, so the "
-                         f"policy is not saved to {args.output_dir} (the newest checkpoint holds it as it stands); the "
-                         "usual causes are a learning rate too high (lower it), rewards of a large scale (normalise "
-                         "them), bf16 or fp16 overflow (--model_dtype float32)." if rank == 0 else 1)
+                         f"policy is not saved to {args.output_dir}; {USUAL_CAUSES}." if rank == 0 else 1)
     refuse_non_finite({"policy": policy}, f"the policy is not saved to {args.output_dir}", args)
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
@@ -2022,8 +1734,14 @@ def finish(policy, tokenizer, log, state, args, rank):
     log.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-# <<< shared: dashboard and log
 
 
 if __name__ == "__main__":
-    exit_once(main, tyro.cli(Args, use_underscores=True))
+    try:
+        main(tyro.cli(Args, use_underscores=True))
+    except SystemExit as e:  # a sentence that stops the run: said once, by rank 0; every process exits with 1
+        if not isinstance(e.code, str):
+            raise
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e.code, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

@@ -40,7 +40,7 @@ def test_the_reference_is_the_base_with_the_adapters_off():
 
 def test_adapter_dropout_acts_in_the_update_only():
     """--lora_dropout: the adapters' dropout is off as loaded (sampling, evaluation), on between
-    adapter_dropout(.., True) and (.., False) (the update), and nothing else in the model ever leaves eval mode."""
+    adapter_dropout(.., on=True) and (.., on=False) (the update), and nothing else in the model leaves eval mode."""
     args = ppo.Args(lora_r=4, lora_alpha=8.0, lora_dropout=0.5)
     policy = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=True)
     with torch.no_grad():
@@ -58,10 +58,10 @@ def test_adapter_dropout_acts_in_the_update_only():
 
     off = logprobs()
     assert training_modules() == set() and torch.equal(logprobs(), off)
-    ppo.adapter_dropout([policy], True)
+    ppo.adapter_dropout([policy], on=True)
     assert training_modules() and all("lora_dropout" in n.split(".") for n in training_modules())
     assert not torch.equal(logprobs(), logprobs())  # a new dropout mask at each forward
-    ppo.adapter_dropout([policy], False)
+    ppo.adapter_dropout([policy], on=False)
     assert training_modules() == set() and torch.equal(logprobs(), off)
 
 

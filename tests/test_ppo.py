@@ -513,8 +513,8 @@ def test_smoke_run_with_rule_reward(tmp_path):
     assert all(0.0 <= rows[i][k] <= 1.0 and rows[i][k] * 400 == pytest.approx(round(rows[i][k] * 400))
                for i in (0, -1) for k in ("eval/score", "eval/score_greedy"))
     args = json.loads((out / "args.json").read_text())
-    # the critic starts from the policy when there is no reward model
-    assert args["value_model_path"] == "assets/tiny-sft"
+    # the critic starts from the policy when there is no reward model (the embedded one, found beside the script)
+    assert args["value_model_path"] == args["model_name_or_path"] == os.path.join(ROOT, "assets", "tiny-sft")
 
 
 def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):

@@ -1,9 +1,9 @@
-"""The blocks marked `# >>> shared: NAME` ... `# <<< shared: NAME` are one piece of code copied into each
-algorithm file that uses it (each file must stand alone). Every copy must read exactly like the others, and each
-file keeps one order: the algorithm above main's banner, the identical plumbing below it.
+"""Each algorithm file must stand alone, so the code the three share is copied into each. Above main's banner the
+shared pieces are the blocks marked `# >>> shared: NAME` ... `# <<< shared: NAME`; below the banner everything is
+shared plumbing. Every copy must read exactly like the others, and each file keeps its budgets.
 
-`python tests/test_shared_blocks.py --sync` copies every block of ppo.py (the first file that holds it) over the
-other files' copies: change a shared piece once in ppo.py, then sync."""
+`python tests/test_shared_blocks.py --sync` copies every block of ppo.py (the first file that holds it), and its
+plumbing below the banner, over the other files: change a shared piece once in ppo.py, then sync."""
 import ast
 import difflib
 import os
@@ -16,14 +16,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ["ppo.py", "grpo.py", "rloo.py"]
 # The algorithm's side of the banner: the arguments, the math and the forward passes, and main's inline steps.
-ALGORITHM = {"arguments", "batch statistics", "clipped surrogate", "forward passes", "set-up",
-             "outputs and the starting policy's held-out score", "generate and score", "dashboard",
+ALGORITHM = {"running alone", "arguments", "batch statistics", "clipped surrogate", "forward passes", "set-up",
+             "outputs and the starting policy's held-out score", "generate and score", "optimiser step", "dashboard",
              "evaluate, alarms, log and save"}
-# The plumbing, below the banner: loading, data, FSDP2, rewards, checks, checkpoints, logging.
-PLUMBING = {"processes and the task", "loading", "FSDP2", "data", "rewards and evaluation", "checks and alarms",
-            "checkpoints, stop signals and bad steps", "dashboard and log", "static cache and CUDA graphs"}
 BANNER = "# ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py"
 MAX_LINE = 120
+# The budgets of every algorithm file: the reading path (the loop starts before LOOP_BY, main ends by MAIN_BY and is
+# at most MAIN_LINES long), and below the banner at most PLUMBING_LINES lines with docstrings of at most DOC_LINES.
+LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 600, 700, 150, 1100, 3
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
 
@@ -50,11 +50,15 @@ def shared_blocks(text, name="file", lines_too=False):
 
 
 def drifted(files):
-    """The differences between copies of each block, as unified diffs against the first file that holds it."""
+    """The differences between copies of each block, and of the plumbing below the banner, as unified diffs against
+    the first file."""
     found = {}
     for path, text in files.items():
         for block, body in shared_blocks(text, path).items():
             found.setdefault(block, []).append((path, body))
+    for path, text in files.items():
+        if BANNER in text:
+            found.setdefault("the plumbing below the banner", []).append((path, text[text.index(BANNER):]))
     diffs = []
     for block, copies in found.items():
         (first, reference), *others = copies
@@ -66,7 +70,7 @@ def drifted(files):
 
 
 def synced(files):
-    """The files with every block's body replaced by that of the first file holding it."""
+    """The files with every block's body, and the plumbing below the banner, replaced by the first file's."""
     source = {}
     for path, text in files.items():
         for block, body in shared_blocks(text, path).items():
@@ -86,6 +90,10 @@ def synced(files):
             elif not inside:
                 out.append(line)
         result[path] = "\n".join(out) + "\n"
+    plumbing = next((text[text.index(BANNER):] for text in files.values() if BANNER in text), None)
+    for path, text in result.items():
+        if plumbing and BANNER in text:
+            result[path] = text[: text.index(BANNER)] + plumbing
     return result
 
 
@@ -101,7 +109,7 @@ def test_every_file_holds_every_common_block():
     files = present()
     assert set(files) == set(FILES)
     for path, text in files.items():
-        missing = (ALGORITHM | PLUMBING) - set(shared_blocks(text, path))
+        missing = ALGORITHM - set(shared_blocks(text, path))
         assert not missing, f"{path} lacks the shared blocks {sorted(missing)}"
 
 
@@ -111,29 +119,32 @@ def test_copies_have_not_drifted():
 
 
 def test_algorithm_above_the_banner_plumbing_below():
-    """A reader who stops at the banner has read the whole algorithm: main and every function or class that is not
-    shared plumbing stand above it; every plumbing block stands below it, and nothing below it is unshared."""
+    """A reader who stops at the banner has read the whole algorithm: main, every shared block of the algorithm and
+    every function of the algorithm's own stand above it (below it, everything is the same in the three files)."""
     for path, text in present().items():
         banner = banner_line(text)
-        blocks, starts = shared_blocks(text, path, lines_too=True)
-        for block, start in starts.items():
-            if block in PLUMBING:
-                assert start > banner, f"{path}: the plumbing block '{block}' (line {start}) is above the banner"
-            else:
-                assert start < banner, f"{path}: the block '{block}' (line {start}) is below the banner"
-        plumbing_names = {node.name for block in PLUMBING for node in ast.parse(blocks[block]).body
-                          if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-        for node in ast.parse(text).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                above = node.lineno < banner
-                assert above != (node.name in plumbing_names), \
-                    f"{path}: {node.name} (line {node.lineno}) is on the wrong side of the banner"
+        for block, start in shared_blocks(text, path, lines_too=True)[1].items():
+            assert start < banner, f"{path}: the block '{block}' (line {start}) is below the banner"
         main = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "main")
         loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "iteration")
-        budget = 700 if path == "ppo.py" else 600  # the reading path: from the first line to the end of main
-        assert main.end_lineno <= budget, f"{path}: main ends at line {main.end_lineno}, past {budget}"
-        assert loop.lineno < 600, f"{path}: the loop starts at line {loop.lineno}"
-        assert main.end_lineno - main.lineno + 1 <= 150, f"{path}: main is {main.end_lineno - main.lineno + 1} lines"
+        assert main.end_lineno <= MAIN_BY, f"{path}: main ends at line {main.end_lineno}, past {MAIN_BY}"
+        assert loop.lineno < LOOP_BY, f"{path}: the loop starts at line {loop.lineno}"
+        assert main.end_lineno - main.lineno + 1 <= MAIN_LINES, \
+            f"{path}: main is {main.end_lineno - main.lineno + 1} lines"
+
+
+def test_the_plumbing_is_short():
+    """At most PLUMBING_LINES lines below the banner, and no docstring there longer than DOC_LINES: a function's
+    docstring says what it is for; how it works is in its code and the README."""
+    for path, text in present().items():
+        banner = banner_line(text)
+        below = len(text.splitlines()) - banner
+        assert below <= PLUMBING_LINES, f"{path}: {below} lines below the banner, past {PLUMBING_LINES}"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.lineno > banner and ast.get_docstring(node):
+                doc = node.body[0]
+                assert doc.end_lineno - doc.lineno < DOC_LINES, \
+                    f"{path}: the docstring of {node.name} (line {doc.lineno}) is over {DOC_LINES} lines"
 
 
 def test_lines_are_at_most_120_characters():
@@ -150,6 +161,9 @@ def test_drift_and_bad_markers_are_caught():
     assert drifted({"a.py": a, "b.py": a}) == []
     assert len(drifted({"a.py": a, "b.py": a.replace("return 1", "return 2")})) == 1
     assert len(drifted({"a.py": a, "b.py": a.replace("    return 1", "    return  1")})) == 1  # one space is drift too
+    below = a + BANNER + "\ndef g():\n    return 3\n"
+    assert drifted({"a.py": below, "b.py": below.replace("x = 1", "x = 2")}) == []  # above the blocks: each its own
+    assert len(drifted({"a.py": below, "b.py": below.replace("return 3", "return 4")})) == 1
     with pytest.raises(AssertionError, match="never closed"):
         shared_blocks("# >>> shared: one\nx = 1\n")
     with pytest.raises(AssertionError, match="closes, but"):
@@ -157,11 +171,11 @@ def test_drift_and_bad_markers_are_caught():
 
 
 def test_sync_copies_the_first_file_over_the_others():
-    a = "x = 1\n# >>> shared: one\ndef f():\n    return 1\n# <<< shared: one\ny = 2\n"
-    b = "z = 3\n# >>> shared: one\ndef f():\n    return 2\n    # extra\n# <<< shared: one\n"
+    a = "x = 1\n# >>> shared: one\ndef f():\n    return 1\n# <<< shared: one\ny = 2\n" + BANNER + "\nq = 1\n"
+    b = "z = 3\n# >>> shared: one\ndef f():\n    return 2\n    # extra\n# <<< shared: one\n" + BANNER + "\nq = 2\n"
     out = synced({"a.py": a, "b.py": b})
     assert out["a.py"] == a
-    assert out["b.py"] == "z = 3\n# >>> shared: one\ndef f():\n    return 1\n# <<< shared: one\n"
+    assert out["b.py"] == "z = 3\n# >>> shared: one\ndef f():\n    return 1\n# <<< shared: one\n" + BANNER + "\nq = 1\n"
     assert drifted(out) == []
 
 
