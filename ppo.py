@@ -298,10 +298,8 @@ def masked_whiten(x, mask, eps=1e-8):
 
 def per_token_rewards(scores, logprobs_old, logprobs_ref, response_mask, kl_coef):
     """The KL-shaped reward of Ziegler et al. (2019): r_t = -beta * (log pi_old - log pi_ref) on every token, plus
-    the score on the last token.
-
-    scores (B,), logprobs_* and response_mask (B, T) with mask a prefix of ones. Returns rewards (B, T)
-    and the per-token KL estimate (B, T)."""
+    the score on the last token. scores (B,), logprobs_* and response_mask (B, T) with mask a prefix of ones;
+    returns rewards (B, T) and the per-token KL estimate (B, T)."""
     kl = (logprobs_old - logprobs_ref) * response_mask  # (B, T)
     rewards = -kl_coef * kl
     last = response_mask.sum(1).long() - 1  # (B,) index of the final (EOS or cut-off) token
@@ -406,13 +404,11 @@ def head_outputs(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows,
-                    args, stops=None):
-    """The raw score of each response (B,): every reward model read at its last token, their minimum, plus the rule;
-    also the rule's scores (or None), the texts and how many failed (failed_rewards: a stop, or a penalty)."""
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    P = input_ids.shape[1] - responses.shape[1]
-    last = P + response_mask.sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
+    """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
+    plus the rule; also the rule's scores (or None), the texts and how many failed (failed_rewards: stop or penalty)."""
+    texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
+    last = P + attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     rm_scores = []  # K x (B,)
     for rm, own_tokenizer in reward_models:
         if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
@@ -592,9 +588,8 @@ def main(args):
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
-        raw_score, rule_scores, texts, reward_errors = score_responses(
-            reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask,
-            [rows[i] for i in idx], args, stops)  # (B,); a reward that fails is a reason to stop, in stops
+        raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
+            reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         stop_and_save(stops, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
         # <<< shared: generate and score
@@ -605,8 +600,7 @@ def main(args):
 
             # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
             logprobs_ref = in_chunks(lambda i, m: response_logprobs(ref_policy, i, m, P, args.temperature),
-                                     args.micro_batch_size, input_ids, attention_mask)
-            logprobs_ref = logprobs_ref * response_mask  # (B, T)
+                                     args.micro_batch_size, input_ids, attention_mask) * response_mask  # (B, T)
             values_old = in_chunks(lambda i, m: head_outputs(value_model, i, m), args.micro_batch_size, input_ids,
                                    attention_mask)
             values_old = values_old[:, P - 1 : -1] * response_mask  # (B, T): V(s_t) before token t
@@ -615,8 +609,7 @@ def main(args):
             raw_advantages, advantages = advantages, masked_whiten(advantages, response_mask)
         t_score = time.time() - t0 - t_generate
 
-        # --- 5. optimise: epochs of shuffled minibatches, accumulated over micro-batches ---
-        # Each process takes its share of every global minibatch of the gathered rollout: one run, any process count.
+        # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
         rollout = gather_rows(dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                                    logprobs_old=logprobs_old, advantages=advantages, values_old=values_old,
                                    returns=returns))
@@ -670,8 +663,7 @@ def main(args):
         var_returns = masked_var(returns, response_mask).item()
         var_residual = masked_var(returns - values_old, response_mask).item()  # what the values leave unexplained
         m.update({
-            "objective/score_normalized": global_mean(score),
-            "objective/kl": global_mean(seq_kl),
+            "objective/score_normalized": global_mean(score), "objective/kl": global_mean(seq_kl),
             "objective/kl_coef": state["kl_coef"],
             "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
             "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
@@ -1239,7 +1231,7 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, ar
                                                    args.temperature, stop_ids, tokenizer.pad_token_id,
                                                    None if greedy else uniforms[idx].to(device), args.decode)
             scores.append(score_responses(reward_models, reward_fn, tokenizer, torch.cat([prompt_ids, responses], 1),
-                                          torch.cat([prompt_mask, response_mask], 1), responses, response_mask,
+                                          torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
                                           [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
     return {} if any(isinstance(r, str) for r in stops or []) else result

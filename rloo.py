@@ -387,13 +387,11 @@ def head_outputs(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask, rows,
-                    args, stops=None):
-    """The raw score of each response (B,): every reward model read at its last token, their minimum, plus the rule;
-    also the rule's scores (or None), the texts and how many failed (failed_rewards: a stop, or a penalty)."""
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    P = input_ids.shape[1] - responses.shape[1]
-    last = P + response_mask.sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
+    """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
+    plus the rule; also the rule's scores (or None), the texts and how many failed (failed_rewards: stop or penalty)."""
+    texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
+    last = P + attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     rm_scores = []  # K x (B,)
     for rm, own_tokenizer in reward_models:
         if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
@@ -537,9 +535,8 @@ def main(args):
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
-        raw_score, rule_scores, texts, reward_errors = score_responses(
-            reward_models, reward_fn, tokenizer, input_ids, attention_mask, responses, response_mask,
-            [rows[i] for i in idx], args, stops)  # (B,); a reward that fails is a reason to stop, in stops
+        raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
+            reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         stop_and_save(stops, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
         # <<< shared: generate and score
@@ -552,8 +549,7 @@ def main(args):
             rewards = score  # (B,)
             if ref_policy is not None:
                 logprobs_ref = in_chunks(lambda i, m: response_logprobs(ref_policy, i, m, P, args.temperature),
-                                         args.micro_batch_size, input_ids, attention_mask)
-                logprobs_ref = logprobs_ref * response_mask  # (B, T)
+                                         args.micro_batch_size, input_ids, attention_mask) * response_mask  # (B, T)
                 shaped, seq_kl = kl_shaped_rewards(score, logprobs_old, logprobs_ref, response_mask, args.kl_coef)
                 rewards = score if args.kl_in_loss else shaped  # (B,)
             advantages = rloo_advantages(rewards, G)  # (B,)
@@ -563,8 +559,7 @@ def main(args):
             train_mask = response_mask * keep  # (B, T)
         t_score = time.time() - t0 - t_generate
 
-        # --- 5. optimise: epochs of shuffled minibatches, accumulated over micro-batches ---
-        # Each process takes its share of every global minibatch of the gathered rollout: one run, any process count.
+        # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
         rollout = dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                        train_mask=train_mask, logprobs_old=logprobs_old, advantages=advantages)
         if ref_policy is not None:
@@ -620,16 +615,12 @@ def main(args):
         m = dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, rollout, P, reward_errors,
                       (t0, t_generate, t_score, t_optimize), all_models, optimizers, responses_per_iteration, args)
         # <<< shared: dashboard
-        m.update({
-            "objective/group_reward_std": global_mean(group_std),
-            "adv/zero_signal_fraction": global_mean(zero_signal),
-            "adv/abs_mean": global_mean(advantages.abs()),
-            "objective/score_normalized": global_mean(score),
-        })
-        if ref_policy is not None:
-            m["objective/kl"] = global_mean(seq_kl)  # nats per response, as in ppo.py
-            m["objective/kl_coef"] = args.kl_coef
-            m["objective/rlhf_reward"] = global_mean(raw_score - args.kl_coef * seq_kl)
+        m.update({"objective/group_reward_std": global_mean(group_std),
+                  "adv/zero_signal_fraction": global_mean(zero_signal), "adv/abs_mean": global_mean(advantages.abs()),
+                  "objective/score_normalized": global_mean(score)})
+        if ref_policy is not None:  # the KL in nats per response, as in ppo.py
+            m.update({"objective/kl": global_mean(seq_kl), "objective/kl_coef": args.kl_coef,
+                      "objective/rlhf_reward": global_mean(raw_score - args.kl_coef * seq_kl)})
 
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
@@ -1184,7 +1175,7 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, ar
                                                    args.temperature, stop_ids, tokenizer.pad_token_id,
                                                    None if greedy else uniforms[idx].to(device), args.decode)
             scores.append(score_responses(reward_models, reward_fn, tokenizer, torch.cat([prompt_ids, responses], 1),
-                                          torch.cat([prompt_mask, response_mask], 1), responses, response_mask,
+                                          torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
                                           [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
     return {} if any(isinstance(r, str) for r in stops or []) else result

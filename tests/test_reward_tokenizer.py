@@ -53,7 +53,7 @@ def scored_batch(reward_models, args):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     rows = [{"prompt": p} for p in PROMPTS]
     return ppo.score_responses(reward_models, None, tokenizer, torch.cat([prompt_ids, responses], 1),
-                               torch.cat([prompt_mask, response_mask], 1), responses, response_mask, rows, args)
+                               torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1], rows, args)
 
 
 def test_a_reward_model_with_its_own_tokenizer_scores_the_text(other_rm):

@@ -301,7 +301,7 @@ def scored(fn, on_reward_error="stop", penalty=1.0):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
     return ppo.score_responses([], fn, tokenizer, torch.cat([prompt_ids, responses], 1),
-                               torch.cat([prompt_mask, response_mask], 1), responses, response_mask,
+                               torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
                                [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])], args)
 
 
