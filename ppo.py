@@ -94,9 +94,11 @@ class Args:
     """training prompts: a local .json/.jsonl file, or a hub dataset name"""
     reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
-    reward_fn: Optional[str] = None
-    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the
-    answer), 'gsm8k' (1 if its last number is the answer's, after '####')"""
+    reward_fn: tuple[str, ...] = ()
+    """rule rewards, added to the minimum of the reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k'
+    (1 if its last number is the answer's, after '####'), file.py:function; several: their weighted sum"""
+    reward_weights: tuple[float, ...] = ()
+    """the weight of each --reward_fn, in order (default: 1 each)"""
 
     # PPO: batches, the critic, GAE, the KL penalty in the reward
     total_episodes: int = 9600
@@ -173,6 +175,8 @@ class Args:
     """the KV cache grown a token a step, of fixed shape, or that with CUDA graphs (auto: on one GPU; else dynamic)"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
+    mask_truncated: bool = False
+    """leave responses cut off at --response_length out of the loss (DAPO's overlong filtering), not penalised"""
     max_grad_norm: float = 1.0
     """gradient-norm clip, per trained model"""
     ent_coef: float = 0.0
@@ -245,8 +249,6 @@ class Args:
 
 
 # ---------------------------------- The math: small pure functions, tensors in and tensors out ------------------
-
-
 # >>> shared: batch statistics
 def masked_sum_count(x, mask):
     """Sum of x over mask and the count of valid entries, over all processes: two 0-d float64 tensors."""
@@ -367,8 +369,6 @@ def normalize_scores(score, state, batch_count):
 
 
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
-
-
 # >>> shared: forward passes
 def position_ids_from(attention_mask):
     """Left padding shifts every prompt; positions (B, L) count real tokens only."""
@@ -404,9 +404,9 @@ def head_outputs(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
+def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
-    plus the rule; also the rule's scores (or None), the texts and how many failed (failed_rewards: stop or penalty)."""
+    plus the rules' weighted sum; also the rules' scores to log (B,) each, the texts and how many failed (stop?)."""
     texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
     last = P + attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     rm_scores = []  # K x (B,)
@@ -418,13 +418,18 @@ def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_ma
             ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
                                             input_ids.device)
             rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
-    rule_scores, why = None, "not a finite number"
-    if reward_fn:
-        rule_scores, why = call_reward_fn(reward_fn, texts, [row.get(args.answer_field) for row in rows])
-        rule_scores = torch.tensor(rule_scores, device=input_ids.device)  # (B,) nan where the rule failed
+    rules, why = {}, "not a finite number"  # {name: (B,) its scores, nan where it failed}
+    for name, fn in reward_fns:
+        scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows])
+        rules[name] = torch.tensor(scores, device=input_ids.device)
+        if why == "not a finite number" and not (reason and rules[name].isfinite().all()):  # the first that failed
+            why = reason and (f"{reason} (--reward_fn {name})" if len(reward_fns) > 1 else reason)
+    weighted = [w * x for w, x in zip(args.reward_weights or [1.0] * len(rules), rules.values())]
+    rule_scores = functools.reduce(torch.add, weighted) if rules else None  # (B,)
     score, errors = failed_rewards(combine_scores(rm_scores, rule_scores), why, texts, tokenizer, input_ids[:, :P],
                                    args, stops)
-    return score, None if rule_scores is None else rule_scores.nan_to_num(0.0), texts, errors
+    logged = {"objective/accuracy": rule_scores, **{f"reward/{k}": x for k, x in rules.items() if len(rules) > 1}}
+    return score, {k: x.nan_to_num(0.0) for k, x in logged.items()} if rules else {}, texts, errors
 
 
 def combine_scores(rm_scores, rule_scores=None):
@@ -451,10 +456,8 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     logits it was drawn from (logprobs_old) and the mask up to and including its stop token. Token t of row b is drawn
     by uniforms[b, t], drawn beforehand so that no response depends on its batch (none: greedy). --decode static and
     cuda_graph run the same steps over buffers of fixed shape (static_decode, below the banner)."""
-    B = prompt_ids.shape[0]
     hold_full_parameters(policy, hold=True)
-    cache = DynamicCache()
-    attention_mask = prompt_mask
+    cache, attention_mask = DynamicCache(), prompt_mask
     positions = position_ids_from(prompt_mask)  # (B, P)
     # logits_to_keep=1: the last position's logits alone, not the whole prompt's B x P x V
     logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
@@ -463,7 +466,7 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
         return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
                              uniforms, decode)
-    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    done = torch.zeros_like(prompt_ids[:, 0], dtype=torch.bool)  # (B,)
     tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
         token, logprob = sample_token(logits, None if uniforms is None else uniforms[:, step], temperature)
@@ -486,7 +489,6 @@ class ValueHead(torch.nn.Module):
     """--shared_backbone: the critic as a scalar head `score` on the policy's trunk, a whole model fewer; the risk is
     the value loss's gradient reaching the trunk the policy samples from. In training it reads the trunk's output of
     the log-prob forward (a hook on the LM head's input); in the rollout it runs the trunk itself."""
-
     _no_split_modules = []  # FSDP2: the head is one unit of its own (the policy's blocks are the policy's)
 
     def __init__(self, policy):
@@ -551,7 +553,7 @@ def main(args):
     rank, device = start_processes(args)
     validate(args)
     torch.manual_seed(args.seed)  # the same on every process: new weights (a head, adapters) start the same
-    tokenizer, prompts, rows, held_out, stop_ids, reward_fn = load_task(args, device)
+    tokenizer, prompts, rows, held_out, stop_ids, reward_fns = load_task(args, device)
     # <<< shared: set-up
     responses_per_iteration = args.rollout_batch_size
     args.num_iterations = args.total_episodes // responses_per_iteration
@@ -567,7 +569,7 @@ def main(args):
     # >>> shared: outputs and the starting policy's held-out score
     log, stops = Log(args, state, rank, tokenizer), catch_stop_signals()
     if held_out[0] and not args.resume:  # logged as iteration 0: where the run starts from
-        log.before_training(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device,
+        log.before_training(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device,
                                      stops))
     # <<< shared: outputs and the starting policy's held-out score
 
@@ -589,14 +591,15 @@ def main(args):
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
-            reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+            reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
+        train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) the tokens the loss reads
         stop_and_save(stops, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
         # <<< shared: generate and score
 
         with torch.no_grad():
             score = normalize_scores(raw_score, state, args.rollout_batch_size) if args.normalize_reward else raw_score
-            score = torch.where(has_eos, score, score - args.missing_eos_penalty)
+            score = torch.where(has_eos | args.mask_truncated, score, score - args.missing_eos_penalty)
 
             # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
             logprobs_ref = in_chunks(lambda i, m: response_logprobs(ref_policy, i, m, P, args.temperature),
@@ -612,7 +615,7 @@ def main(args):
         # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
         rollout = gather_rows(dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                                    logprobs_old=logprobs_old, advantages=advantages, values_old=values_old,
-                                   returns=returns))
+                                   returns=returns, train_mask=train_mask))
         local_minibatch = args.minibatch_size // args.world_size
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
         adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
@@ -620,11 +623,13 @@ def main(args):
             perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
-                mb_tokens = rollout["response_mask"][mb_idx].sum().item()  # valid tokens in the global minibatch
+                mb_tokens = rollout["train_mask"][mb_idx].sum().item()  # valid tokens in the global minibatch
                 mine = mb_idx[rank * local_minibatch : (rank + 1) * local_minibatch]
+                if mb_tokens == 0:  # every response left out (--mask_truncated): no step, not even Adam's momentum
+                    continue
                 for micro_start in range(0, local_minibatch, args.micro_batch_size):
                     micro = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}
-                    mask = micro["response_mask"].float()  # (micro, T)
+                    mask = micro["train_mask"].float()  # (micro, T)
                     logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], P,
                                                           args.temperature, return_entropy=True)  # (micro, T) each
                     if args.shared_backbone:  # the trunk's output of the forward just above: no second pass
@@ -662,16 +667,14 @@ def main(args):
         seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
         var_returns = masked_var(returns, response_mask).item()
         var_residual = masked_var(returns - values_old, response_mask).item()  # what the values leave unexplained
-        m.update({
-            "objective/score_normalized": global_mean(score), "objective/kl": global_mean(seq_kl),
-            "objective/kl_coef": state["kl_coef"],
-            "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
-            "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
-            "val/explained_variance": 1 - var_residual / max(var_returns, 1e-8),
-            "val/mean": masked_mean(values_old, response_mask).item(),
-            "adv/mean": masked_mean(raw_advantages, response_mask).item(),
-            "adv/std": masked_var(raw_advantages, response_mask).item() ** 0.5,
-        })
+        m.update({"objective/score_normalized": global_mean(score), "objective/kl": global_mean(seq_kl),
+                  "objective/kl_coef": state["kl_coef"],
+                  "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
+                  "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
+                  "val/explained_variance": 1 - var_residual / max(var_returns, 1e-8),
+                  "val/mean": masked_mean(values_old, response_mask).item(),
+                  "adv/mean": masked_mean(raw_advantages, response_mask).item(),
+                  "adv/std": masked_var(raw_advantages, response_mask).item() ** 0.5})
 
         # --- 7. the adaptive KL controller steps on the measured KL of this rollout ---
         if args.adaptive_kl:
@@ -681,7 +684,7 @@ def main(args):
         # --- 8. held-out score, alarms for the classic failure modes, the log; 9. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, stops))
+            m.update(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device, stops))
         log.iteration(m, state, prompt_ids, texts, raw_score)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
@@ -693,7 +696,6 @@ def main(args):
 
 
 # ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above ========
-
 
 # ---- processes and the task
 def start_processes(args):
@@ -722,7 +724,8 @@ def load_task(args, device):
     eval_path = held_out_dataset(args)
     held_out = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
-    return tokenizer, prompts, rows, held_out, stop_ids, load_reward_fn(args.reward_fn)
+    reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
+    return tokenizer, prompts, rows, held_out, stop_ids, reward_fns
 
 
 # ---- loading
@@ -801,7 +804,6 @@ def adapter_dropout(models, *, on):
 
 class AdaptersOff(torch.nn.Module):
     """The reference under LoRA: the policy with its adapters off (held outside the registry: no weights of its own)."""
-
     def __init__(self, policy):
         super().__init__()
         self.__dict__["policy"] = policy
@@ -812,9 +814,8 @@ class AdaptersOff(torch.nn.Module):
 
 def load_reference(args, policy, device):
     """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
-    if args.lora_r:
-        return AdaptersOff(policy)
-    return load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+    return AdaptersOff(policy) if args.lora_r else load_model(AutoModelForCausalLM, args.model_name_or_path, args,
+                                                               device, trained=False)
 
 def lora_policy_to_save(weights, args):
     """Under LoRA, the policy to save: the base with the adapters merged in, or --save_adapters_only's adapters."""
@@ -905,7 +906,6 @@ def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperatur
 class StaticDecoder:
     """generate's decode steps over buffers allocated once and counters on the device: no host sync, so on CUDA a
     step is captured as a CUDA graph and replayed per token. Attention reads the unused columns with weight 0."""
-
     def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
         B, device = logits.shape[0], logits.device
         self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
@@ -1019,9 +1019,9 @@ def load_prompts(path, split, args, tokenizer):
         if args.prompt_field not in has:
             raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
                              f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts.")
-        if args.reward_fn in REWARD_FNS and args.answer_field not in has:  # a user's reward may need none
-            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{path}' has no "
-                             f"'{args.answer_field}' (it has {has}); pass --answer_field.")
+        if REWARD_FNS.keys() & set(args.reward_fn) and args.answer_field not in has:  # a user's reward may need none
+            raise SystemExit(f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
+                             f"'{path}' has no '{args.answer_field}' (it has {has}); pass --answer_field.")
         prompt = row[args.prompt_field]
         is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
             isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
@@ -1145,9 +1145,9 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 def load_reward_fn(spec):
-    """--reward_fn: a built-in, file.py:function or module:function, fn(texts, answers) -> a float each; or None."""
-    if spec is None or spec in REWARD_FNS:
-        return REWARD_FNS.get(spec)
+    """A --reward_fn: a built-in, file.py:function or module:function, fn(texts, answers) -> a float each."""
+    if spec in REWARD_FNS:
+        return REWARD_FNS[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name.isidentifier():
         raise SystemExit(f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
@@ -1212,7 +1212,7 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
     return left_pad(sequences, own_tokenizer.pad_token_id, device)
 
 @torch.no_grad()
-def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, stops=None):
+def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device, stops=None):
     """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
     prompts, rows = held_out
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -1230,7 +1230,7 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, ar
             responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
                                                    args.temperature, stop_ids, tokenizer.pad_token_id,
                                                    None if greedy else uniforms[idx].to(device), args.decode)
-            scores.append(score_responses(reward_models, reward_fn, tokenizer, torch.cat([prompt_ids, responses], 1),
+            scores.append(score_responses(reward_models, reward_fns, tokenizer, torch.cat([prompt_ids, responses], 1),
                                           torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
                                           [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
@@ -1280,7 +1280,10 @@ def check_common_args(args, responses_per_iteration):
                          f"{responses_per_iteration} responses; raise it.")
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
-    load_reward_fn(args.reward_fn)
+    names = [spec.rpartition(":")[2] for spec in args.reward_fn]
+    require(args, ("reward_fn",), "must name each function once", lambda v: len(set(names)) == len(names))
+    require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
+    [load_reward_fn(spec) for spec in args.reward_fn]  # each one loads (or says why) before any model does
     # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
@@ -1352,8 +1355,7 @@ def all_processes(value):
 def read_json(path):
     """The JSON in a file, or None where it is missing or not JSON."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(pathlib.Path(path).read_text())
     except (OSError, ValueError):
         return None
 
@@ -1642,13 +1644,13 @@ def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, roll
          "policy/first_ratio_dev": stats.get("first_ratio_dev"), "policy/ratio_max": ratio_max.item(),
          "response/length": global_mean(response_mask.sum(1).float()), "response/eos_rate": global_mean(has_eos),
          "response/distinct1": distinct_n(token_lists, 1), "response/distinct2": distinct_n(token_lists, 2),
+         **({"response/truncated_left_out": global_mean(~has_eos)} if args.mask_truncated else {}),
          "time/generate": times[1], "time/score": times[2], "time/optimize": times[3],
          "time/iteration": time.time() - times[0],
          "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
          "health/skipped_steps": state["skipped_steps"],
          "memory/model_states_mb": megabytes_held(models, optimizers.values())}  # this process's (rank 0's)
-    if rule_scores is not None:
-        m["objective/accuracy"] = global_mean(rule_scores)
+    m.update({k: global_mean(x) for k, x in rule_scores.items()})  # the rules' weighted sum, and each when several
     m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in zip(sums, totals.tolist())})
     m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
     return m
@@ -1679,7 +1681,6 @@ def resumed_log(checkpoint, metrics):
 
 class Log:
     """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
-
     def __init__(self, args, state, rank, tokenizer):
         self.args, self.tokenizer, self.on = args, tokenizer, rank == 0
         self.file = self.wandb = None
@@ -1724,6 +1725,9 @@ class Log:
             shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
             tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
                        f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}")
+            if not any(key.startswith("grad_norm/") for key in m):  # every minibatch skipped
+                tqdm.write(f"iter {iteration}: no optimiser step, as no response is left in the loss (--mask_truncated "
+                           "leaves out those cut off, --drop_zero_signal_groups those whose group scored alike)")
             for name in [name for name, on in firing.items() if on and name not in state["alarms_on"]]:
                 tqdm.write(f"ALARM {name}: {ALARMS[name]}")
             self.progress.set_postfix({label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED

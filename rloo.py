@@ -89,9 +89,11 @@ class Args:
     """training prompts: a local .json/.jsonl file, or a hub dataset name"""
     reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
-    reward_fn: Optional[str] = None
-    """a rule reward instead of (or added to the minimum of) reward models: 'arithmetic' (1 if the response is the
-    answer), 'gsm8k' (1 if its last number is the answer's, after '####')"""
+    reward_fn: tuple[str, ...] = ()
+    """rule rewards, added to the minimum of the reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k'
+    (1 if its last number is the answer's, after '####'), file.py:function; several: their weighted sum"""
+    reward_weights: tuple[float, ...] = ()
+    """the weight of each --reward_fn, in order (default: 1 each)"""
 
     # RLOO: k samples per prompt, a leave-one-out baseline, the KL in the reward
     total_episodes: int = 64000
@@ -112,6 +114,9 @@ class Args:
     """ratios below 1 - clip_range_low stop pushing a token down"""
     clip_range_high: float = 0.2
     """ratios above 1 + clip_range_high stop pushing a token up (DAPO's clip-higher raises it, e.g. to 0.28)"""
+    policy_loss: Literal["clip", "gspo", "cispo"] = "clip"
+    """the surrogate: PPO's clipped ratio per token; GSPO's one clipped ratio per response (the paper: --clip_range_low
+    3e-4 --clip_range_high 4e-4); CISPO's clipped, detached weight on every token's log pi (no lower bound: low 1)"""
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "constant"
     """how token losses become the minibatch loss; constant is the paper's sum of log-probs over a response, divided
     by a constant"""
@@ -161,6 +166,8 @@ class Args:
     """the KV cache grown a token a step, of fixed shape, or that with CUDA graphs (auto: on one GPU; else dynamic)"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
+    mask_truncated: bool = False
+    """leave responses cut off at --response_length out of the loss (DAPO's overlong filtering), not penalised"""
     max_grad_norm: float = 1.0
     """gradient-norm clip, per trained model"""
     ent_coef: float = 0.0
@@ -233,8 +240,6 @@ class Args:
 
 
 # ---------------------------------- The math: small pure functions, tensors in and tensors out ------------------
-
-
 # >>> shared: batch statistics
 def masked_sum_count(x, mask):
     """Sum of x over mask and the count of valid entries, over all processes: two 0-d float64 tensors."""
@@ -275,6 +280,39 @@ def policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
     return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
 # <<< shared: clipped surrogate
+
+# >>> shared: GSPO and CISPO
+def gspo_loss(logprobs, logprobs_old, advantages, mask, clip_low, clip_high):
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): one ratio per response, s = exp(mean over its tokens of
+    log pi - log pi_old), in the clipped surrogate -min(s A, clip(s, 1-eps_low, 1+eps_high) A) on each of its tokens.
+    The GSPO-token form: sg(s) exp(log pi - sg(log pi)) has the value s and the gradient s grad log pi per token, so
+    with one advantage per response and sequence_mean aggregation the loss is the paper's sequence objective. Inputs
+    (B, T), advantages (B, 1); returns the loss, the ratio s and whether its response was clipped, (B, T) each."""
+    seq_log_ratio = ((logprobs - logprobs_old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(seq_log_ratio.detach() + logprobs - logprobs.detach())  # (B, T): s on every token
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
+
+
+def cispo_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
+    """CISPO (MiniMax-M1, arXiv:2506.13585): the importance weight itself clipped and detached, every token keeping
+    its gradient, however far its ratio moved: -sg(clip(rho, 1-eps_low, 1+eps_high)) A log pi with rho = exp(log pi
+    - log pi_old). Inputs (B, T), advantages (B, 1); returns the loss, rho and whether each token's weight was
+    clipped, (B, T) each."""
+    ratio = torch.exp(logprobs - logprobs_old)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
+    return -weight * advantages * logprobs, ratio, (weight != ratio).float()
+
+
+def surrogate(kind, logprobs, logprobs_old, advantages, mask, clip_low, clip_high):
+    """--policy_loss: the per-token loss, the ratio and what was clipped of clip, gspo or cispo, (B, T) each."""
+    if kind == "gspo":
+        return gspo_loss(logprobs, logprobs_old, advantages, mask, clip_low, clip_high)
+    if kind == "cispo":
+        return cispo_loss(logprobs, logprobs_old, advantages, clip_low, clip_high)
+    return policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high)
+# <<< shared: GSPO and CISPO
 
 
 def rloo_advantages(rewards, k):
@@ -350,8 +388,6 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
 
 
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
-
-
 # >>> shared: forward passes
 def position_ids_from(attention_mask):
     """Left padding shifts every prompt; positions (B, L) count real tokens only."""
@@ -387,9 +423,9 @@ def head_outputs(model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
+def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
-    plus the rule; also the rule's scores (or None), the texts and how many failed (failed_rewards: stop or penalty)."""
+    plus the rules' weighted sum; also the rules' scores to log (B,) each, the texts and how many failed (stop?)."""
     texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
     last = P + attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     rm_scores = []  # K x (B,)
@@ -401,13 +437,18 @@ def score_responses(reward_models, reward_fn, tokenizer, input_ids, attention_ma
             ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
                                             input_ids.device)
             rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
-    rule_scores, why = None, "not a finite number"
-    if reward_fn:
-        rule_scores, why = call_reward_fn(reward_fn, texts, [row.get(args.answer_field) for row in rows])
-        rule_scores = torch.tensor(rule_scores, device=input_ids.device)  # (B,) nan where the rule failed
+    rules, why = {}, "not a finite number"  # {name: (B,) its scores, nan where it failed}
+    for name, fn in reward_fns:
+        scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows])
+        rules[name] = torch.tensor(scores, device=input_ids.device)
+        if why == "not a finite number" and not (reason and rules[name].isfinite().all()):  # the first that failed
+            why = reason and (f"{reason} (--reward_fn {name})" if len(reward_fns) > 1 else reason)
+    weighted = [w * x for w, x in zip(args.reward_weights or [1.0] * len(rules), rules.values())]
+    rule_scores = functools.reduce(torch.add, weighted) if rules else None  # (B,)
     score, errors = failed_rewards(combine_scores(rm_scores, rule_scores), why, texts, tokenizer, input_ids[:, :P],
                                    args, stops)
-    return score, None if rule_scores is None else rule_scores.nan_to_num(0.0), texts, errors
+    logged = {"objective/accuracy": rule_scores, **{f"reward/{k}": x for k, x in rules.items() if len(rules) > 1}}
+    return score, {k: x.nan_to_num(0.0) for k, x in logged.items()} if rules else {}, texts, errors
 
 
 def combine_scores(rm_scores, rule_scores=None):
@@ -434,10 +475,8 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     logits it was drawn from (logprobs_old) and the mask up to and including its stop token. Token t of row b is drawn
     by uniforms[b, t], drawn beforehand so that no response depends on its batch (none: greedy). --decode static and
     cuda_graph run the same steps over buffers of fixed shape (static_decode, below the banner)."""
-    B = prompt_ids.shape[0]
     hold_full_parameters(policy, hold=True)
-    cache = DynamicCache()
-    attention_mask = prompt_mask
+    cache, attention_mask = DynamicCache(), prompt_mask
     positions = position_ids_from(prompt_mask)  # (B, P)
     # logits_to_keep=1: the last position's logits alone, not the whole prompt's B x P x V
     logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
@@ -446,7 +485,7 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
         return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
                              uniforms, decode)
-    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    done = torch.zeros_like(prompt_ids[:, 0], dtype=torch.bool)  # (B,)
     tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
         token, logprob = sample_token(logits, None if uniforms is None else uniforms[:, step], temperature)
@@ -496,7 +535,7 @@ def main(args):
     rank, device = start_processes(args)
     validate(args)
     torch.manual_seed(args.seed)  # the same on every process: new weights (a head, adapters) start the same
-    tokenizer, prompts, rows, held_out, stop_ids, reward_fn = load_task(args, device)
+    tokenizer, prompts, rows, held_out, stop_ids, reward_fns = load_task(args, device)
     # <<< shared: set-up
     G = args.num_generations
     responses_per_iteration = args.rollout_batch_size * G
@@ -513,7 +552,7 @@ def main(args):
     # >>> shared: outputs and the starting policy's held-out score
     log, stops = Log(args, state, rank, tokenizer), catch_stop_signals()
     if held_out[0] and not args.resume:  # logged as iteration 0: where the run starts from
-        log.before_training(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device,
+        log.before_training(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device,
                                      stops))
     # <<< shared: outputs and the starting policy's held-out score
 
@@ -536,14 +575,15 @@ def main(args):
         attention_mask = torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
-            reward_models, reward_fn, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+            reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
+        train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) the tokens the loss reads
         stop_and_save(stops, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
         # <<< shared: generate and score
 
         with torch.no_grad():
             score = normalize_scores(raw_score, state, responses_per_iteration) if args.normalize_reward else raw_score
-            score = torch.where(has_eos, score, score - args.missing_eos_penalty)
+            score = torch.where(has_eos | args.mask_truncated, score, score - args.missing_eos_penalty)
 
             # --- 4. the reference's log-probs, the KL-shaped reward, leave-one-out advantages, one per response ---
             rewards = score  # (B,)
@@ -556,7 +596,7 @@ def main(args):
             group_std = rewards.view(-1, G).std(1, unbiased=False)  # (B / G,)
             zero_signal = zero_signal_groups(rewards, G)  # (B / G,)
             keep = ~zero_signal.repeat_interleave(G)[:, None] if args.drop_zero_signal_groups else 1  # (B, 1)
-            train_mask = response_mask * keep  # (B, T)
+            train_mask = train_mask * keep  # (B, T)
         t_score = time.time() - t0 - t_generate
 
         # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
@@ -583,9 +623,9 @@ def main(args):
                     mask = micro["train_mask"].float()  # (micro, T)
                     logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], P,
                                                           args.temperature, return_entropy=True)  # (micro, T) each
-                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, micro["logprobs_old"],
-                                                             micro["advantages"][:, None], args.clip_range_low,
-                                                             args.clip_range_high)
+                    pg_loss, ratio, pg_clipped = surrogate(args.policy_loss, logprobs, micro["logprobs_old"],
+                                                           micro["advantages"][:, None], mask, args.clip_range_low,
+                                                           args.clip_range_high)
                     if reinforce:  # the paper's -A log pi; at ratio 1 its gradient is the clipped loss's
                         pg_loss = -micro["advantages"][:, None] * logprobs
                     per_token = pg_loss - args.ent_coef * entropy  # (micro, T)
@@ -625,7 +665,7 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, stops))
+            m.update(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device, stops))
         log.iteration(m, state, prompt_ids, texts, raw_score)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
@@ -637,7 +677,6 @@ def main(args):
 
 
 # ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above ========
-
 
 # ---- processes and the task
 def start_processes(args):
@@ -666,7 +705,8 @@ def load_task(args, device):
     eval_path = held_out_dataset(args)
     held_out = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
-    return tokenizer, prompts, rows, held_out, stop_ids, load_reward_fn(args.reward_fn)
+    reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
+    return tokenizer, prompts, rows, held_out, stop_ids, reward_fns
 
 
 # ---- loading
@@ -745,7 +785,6 @@ def adapter_dropout(models, *, on):
 
 class AdaptersOff(torch.nn.Module):
     """The reference under LoRA: the policy with its adapters off (held outside the registry: no weights of its own)."""
-
     def __init__(self, policy):
         super().__init__()
         self.__dict__["policy"] = policy
@@ -756,9 +795,8 @@ class AdaptersOff(torch.nn.Module):
 
 def load_reference(args, policy, device):
     """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
-    if args.lora_r:
-        return AdaptersOff(policy)
-    return load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+    return AdaptersOff(policy) if args.lora_r else load_model(AutoModelForCausalLM, args.model_name_or_path, args,
+                                                               device, trained=False)
 
 def lora_policy_to_save(weights, args):
     """Under LoRA, the policy to save: the base with the adapters merged in, or --save_adapters_only's adapters."""
@@ -849,7 +887,6 @@ def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperatur
 class StaticDecoder:
     """generate's decode steps over buffers allocated once and counters on the device: no host sync, so on CUDA a
     step is captured as a CUDA graph and replayed per token. Attention reads the unused columns with weight 0."""
-
     def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
         B, device = logits.shape[0], logits.device
         self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
@@ -963,9 +1000,9 @@ def load_prompts(path, split, args, tokenizer):
         if args.prompt_field not in has:
             raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
                              f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts.")
-        if args.reward_fn in REWARD_FNS and args.answer_field not in has:  # a user's reward may need none
-            raise SystemExit(f"--reward_fn {args.reward_fn} needs an answer column, but row {n} of '{path}' has no "
-                             f"'{args.answer_field}' (it has {has}); pass --answer_field.")
+        if REWARD_FNS.keys() & set(args.reward_fn) and args.answer_field not in has:  # a user's reward may need none
+            raise SystemExit(f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
+                             f"'{path}' has no '{args.answer_field}' (it has {has}); pass --answer_field.")
         prompt = row[args.prompt_field]
         is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
             isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
@@ -1089,9 +1126,9 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 def load_reward_fn(spec):
-    """--reward_fn: a built-in, file.py:function or module:function, fn(texts, answers) -> a float each; or None."""
-    if spec is None or spec in REWARD_FNS:
-        return REWARD_FNS.get(spec)
+    """A --reward_fn: a built-in, file.py:function or module:function, fn(texts, answers) -> a float each."""
+    if spec in REWARD_FNS:
+        return REWARD_FNS[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name.isidentifier():
         raise SystemExit(f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
@@ -1156,7 +1193,7 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
     return left_pad(sequences, own_tokenizer.pad_token_id, device)
 
 @torch.no_grad()
-def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, args, device, stops=None):
+def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device, stops=None):
     """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
     prompts, rows = held_out
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -1174,7 +1211,7 @@ def evaluate(policy, reward_models, reward_fn, tokenizer, stop_ids, held_out, ar
             responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
                                                    args.temperature, stop_ids, tokenizer.pad_token_id,
                                                    None if greedy else uniforms[idx].to(device), args.decode)
-            scores.append(score_responses(reward_models, reward_fn, tokenizer, torch.cat([prompt_ids, responses], 1),
+            scores.append(score_responses(reward_models, reward_fns, tokenizer, torch.cat([prompt_ids, responses], 1),
                                           torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
                                           [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
@@ -1224,7 +1261,10 @@ def check_common_args(args, responses_per_iteration):
                          f"{responses_per_iteration} responses; raise it.")
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
-    load_reward_fn(args.reward_fn)
+    names = [spec.rpartition(":")[2] for spec in args.reward_fn]
+    require(args, ("reward_fn",), "must name each function once", lambda v: len(set(names)) == len(names))
+    require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
+    [load_reward_fn(spec) for spec in args.reward_fn]  # each one loads (or says why) before any model does
     # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
@@ -1296,8 +1336,7 @@ def all_processes(value):
 def read_json(path):
     """The JSON in a file, or None where it is missing or not JSON."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(pathlib.Path(path).read_text())
     except (OSError, ValueError):
         return None
 
@@ -1586,13 +1625,13 @@ def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, roll
          "policy/first_ratio_dev": stats.get("first_ratio_dev"), "policy/ratio_max": ratio_max.item(),
          "response/length": global_mean(response_mask.sum(1).float()), "response/eos_rate": global_mean(has_eos),
          "response/distinct1": distinct_n(token_lists, 1), "response/distinct2": distinct_n(token_lists, 2),
+         **({"response/truncated_left_out": global_mean(~has_eos)} if args.mask_truncated else {}),
          "time/generate": times[1], "time/score": times[2], "time/optimize": times[3],
          "time/iteration": time.time() - times[0],
          "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
          "health/skipped_steps": state["skipped_steps"],
          "memory/model_states_mb": megabytes_held(models, optimizers.values())}  # this process's (rank 0's)
-    if rule_scores is not None:
-        m["objective/accuracy"] = global_mean(rule_scores)
+    m.update({k: global_mean(x) for k, x in rule_scores.items()})  # the rules' weighted sum, and each when several
     m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in zip(sums, totals.tolist())})
     m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
     return m
@@ -1623,7 +1662,6 @@ def resumed_log(checkpoint, metrics):
 
 class Log:
     """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
-
     def __init__(self, args, state, rank, tokenizer):
         self.args, self.tokenizer, self.on = args, tokenizer, rank == 0
         self.file = self.wandb = None
@@ -1668,6 +1706,9 @@ class Log:
             shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
             tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
                        f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}")
+            if not any(key.startswith("grad_norm/") for key in m):  # every minibatch skipped
+                tqdm.write(f"iter {iteration}: no optimiser step, as no response is left in the loss (--mask_truncated "
+                           "leaves out those cut off, --drop_zero_signal_groups those whose group scored alike)")
             for name in [name for name, on in firing.items() if on and name not in state["alarms_on"]]:
                 tqdm.write(f"ALARM {name}: {ALARMS[name]}")
             self.progress.set_postfix({label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED

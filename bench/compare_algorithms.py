@@ -60,7 +60,7 @@ def run(algorithm, task, out, responses, evaluations):
            "--total_episodes", str(responses), "--eval_every", str(max(1, iterations // evaluations)),
            "--save_every", "0"]
     if task == "reviews":  # grpo.py's default task is arithmetic: no rule reward here
-        cmd += ["--reward_fn", "None"] if algorithm == "GRPO" else []
+        cmd += ["--reward_fn"] if algorithm == "GRPO" else []
     shutil.rmtree(out, ignore_errors=True)  # a new run each time (a folder with checkpoints is refused)
     os.makedirs(out, exist_ok=True)
     peak_mb = measured(cmd, os.path.join(out, "output.log"))

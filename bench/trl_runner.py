@@ -25,7 +25,7 @@ def arguments(argv=None):
     p.add_argument("--output_dir", required=True)
     p.add_argument("--model_name_or_path", required=True)
     p.add_argument("--reward_model_path", nargs="*", default=[])
-    p.add_argument("--reward_fn", default=None)
+    p.add_argument("--reward_fn", nargs="*", default=[], help="rule rewards by name, each added to the score")
     p.add_argument("--dataset", required=True)
     p.add_argument("--total_episodes", type=int, required=True)
     p.add_argument("--rollout_batch_size", type=int, required=True, help="prompts per iteration")
@@ -44,7 +44,9 @@ def arguments(argv=None):
                    help="PPO only: one optimiser step per minibatch as ppo.py takes (set on the trainer's Accelerator "
                         "after construction), or TRL 1.12 as configured, whose accumulation counter steps once every "
                         "num_mini_batches minibatches")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.reward_fn = tuple(a.reward_fn)  # as our scripts hold it
+    return a
 
 
 def responses_per_iteration(a):
@@ -162,13 +164,11 @@ def main():
         from grpo import REWARD_FNS  # the very rule our scripts use
 
         funcs = list(reward_models)
-        if a.reward_fn:
-            rule = REWARD_FNS[a.reward_fn]
-
-            def rule_reward(completions, answer, **kwargs):
+        for name in a.reward_fn:
+            def rule_reward(completions, answer, rule=REWARD_FNS[name], **kwargs):
                 return rule(completions, answer)
 
-            rule_reward.__name__ = a.reward_fn
+            rule_reward.__name__ = name
             funcs.append(rule_reward)
         train = Dataset.from_list([{k: r[k] for k in ("prompt", "answer") if k in r} for r in rows])
         trainer = Trainer(model=a.model_name_or_path, reward_funcs=funcs, args=Config(**config), train_dataset=train,

@@ -109,7 +109,7 @@ def test_a_reward_model_without_a_tokenizer_reads_the_policys_tokens(family):
 # scored by the family's reward model: grpo.py's default rule reward would give a random policy 0 on every arithmetic
 # answer, every group zero-signal, and no step to check.
 TINY = ["--total_episodes", "8", "--minibatch_size", "4", "--micro_batch_size", "4", "--response_length", "8",
-        "--eval_every", "0", "--reward_fn", "None", "--dataset", os.path.join(ROOT, "assets", "reviews", "train.jsonl")]
+        "--eval_every", "0", "--reward_fn", "--dataset", os.path.join(ROOT, "assets", "reviews", "train.jsonl")]
 BATCH = {"ppo.py": ["--rollout_batch_size", "4", "--num_epochs", "1"],
          "grpo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
          "rloo.py": ["--rollout_batch_size", "2", "--num_generations", "2"]}

@@ -193,7 +193,7 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
 def test_a_bad_reward_function_stops_before_any_model_loads(spec, message, tmp_path):
     (tmp_path / "rule.py").write_text("def one_argument(responses):\n    return [0.0] * len(responses)\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
-    args = grpo.Args(reward_fn=spec.format(tmp=tmp_path), output_dir=str(tmp_path / "run"))
+    args = grpo.Args(reward_fn=(spec.format(tmp=tmp_path),), output_dir=str(tmp_path / "run"))
     with pytest.raises(SystemExit, match=message):
         grpo.validate(args)
     assert not (tmp_path / "run").exists()

@@ -456,7 +456,7 @@ def test_bad_datasets(tmp_path):
     assert prompts[0] == full[-16:] and prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="needs an answer column"):
         ppo.load_prompts(str(tmp_path / "long.jsonl"), "train",
-                         args_with(reward_fn="arithmetic", max_prompt_length=200), tokenizer)
+                         args_with(reward_fn=("arithmetic",), max_prompt_length=200), tokenizer)
     (tmp_path / "broken.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n\n"
                                            + '{"prompt": "the plot was"' + "\n")
     with pytest.raises(SystemExit, match="line 3 of '.*broken.jsonl' is not valid JSON"):

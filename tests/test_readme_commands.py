@@ -58,7 +58,8 @@ def test_readme_command_parses_and_passes_the_checks(script, argv, nproc, partia
     monkeypatch.setattr(module, "check_model_path", lambda *a: None)
     args.output_dir, args.world_size = str(tmp_path / "out"), nproc
     shown = readme_files(tmp_path)  # a reward function's file the README shows, as the user would have written it
-    where, _, name = (args.reward_fn or "").rpartition(":")
-    if where in shown:
-        args.reward_fn = f"{shown[where]}:{name}"
+    for i, spec in enumerate(args.reward_fn):
+        where, _, name = spec.rpartition(":")
+        if where in shown:
+            args.reward_fn = args.reward_fn[:i] + (f"{shown[where]}:{name}",) + args.reward_fn[i + 1:]
     module.validate(args)  # raises SystemExit with its sentence when a check fails

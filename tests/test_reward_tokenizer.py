@@ -52,7 +52,7 @@ def scored_batch(reward_models, args):
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     rows = [{"prompt": p} for p in PROMPTS]
-    return ppo.score_responses(reward_models, None, tokenizer, torch.cat([prompt_ids, responses], 1),
+    return ppo.score_responses(reward_models, [], tokenizer, torch.cat([prompt_ids, responses], 1),
                                torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1], rows, args)
 
 

@@ -300,7 +300,7 @@ def scored(fn, on_reward_error="stop", penalty=1.0):
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
-    return ppo.score_responses([], fn, tokenizer, torch.cat([prompt_ids, responses], 1),
+    return ppo.score_responses([], [("fn", fn)], tokenizer, torch.cat([prompt_ids, responses], 1),
                                torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
                                [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])], args)
 
@@ -315,7 +315,7 @@ def test_a_failing_reward_function_is_pinned_on_its_response():
     # with the penalty it scores --missing_eos_penalty below the lowest valid score of the batch: min(1, 1, 1) - 0.5
     score, rule_scores, texts, errors = scored(fails_on_words, "penalty", penalty=0.5)
     assert score.tolist() == [1.0, 1.0, 0.5, 1.0] and errors == 1 and texts == RESPONSES
-    assert rule_scores.tolist() == [1.0, 1.0, 0.0, 1.0]  # the accuracy counts it as wrong
+    assert rule_scores["objective/accuracy"].tolist() == [1.0, 1.0, 0.0, 1.0]  # the accuracy counts it as wrong
 
 
 def test_a_non_finite_score_is_named():
@@ -406,8 +406,8 @@ def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
 COMMON_BAD = [
     (dict(model_name_or_path="/nonexistent/model"), "could not be found"),
     (dict(temperature=0.0), "--temperature must be positive"),
-    (dict(reward_model_path=(), reward_fn=None), "no reward"),
-    (dict(reward_fn="nope"), "unknown --reward_fn"),
+    (dict(reward_model_path=(), reward_fn=()), "no reward"),
+    (dict(reward_fn=("nope",)), "unknown --reward_fn"),
     (dict(total_episodes=4), "less than one rollout"),
     (dict(micro_batch_size=0), "--micro_batch_size must be at least 1"),
     (dict(num_epochs=0), "--num_epochs must be at least 1"),
@@ -454,7 +454,7 @@ def test_the_command_line_refuses_a_choice_it_does_not_offer(script, capsys):
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
 def test_a_rule_reward_needs_answers(script, tmp_path):
-    args = args_for(script, tmp_path, reward_fn="arithmetic")
+    args = args_for(script, tmp_path, reward_fn=("arithmetic",))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     with pytest.raises(SystemExit,
                        match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"):
