@@ -130,16 +130,24 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
 @pytest.mark.parametrize("script,flags", [("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
                                           ("ppo.py", ["--shared_backbone"]),
                                           ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
-                                          ("rloo.py", ["--decode", "static", "--lora_r", "4", "--lora_alpha", "8"])],
-                         ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora", "rloo-static-decode-lora"])
-def test_two_processes_compute_what_one_computes_with_lora_and_a_shared_backbone(script, flags, held_out, tmp_path):
+                                          ("rloo.py", ["--decode", "static", "--lora_r", "4", "--lora_alpha", "8"]),
+                                          ("grpo.py", ["--policy_loss", "gspo", "--loss_aggregation", "sequence_mean",
+                                                       "--clip_range_low", "3e-4", "--clip_range_high", "4e-4"]),
+                                          ("rloo.py", ["--policy_loss", "cispo", "--clip_range_low", "1",
+                                                       "--mask_truncated"])],
+                         ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora", "rloo-static-decode-lora", "grpo-gspo",
+                              "rloo-cispo-mask-truncated"])
+def test_two_processes_compute_what_one_computes_with_other_options(script, flags, held_out, tmp_path):
     """The same agreement with adapters (peft's layers inside FSDP2's units, the reference as the policy with its
-    adapters off, the merged save gathered from the shards), with the value head on the policy's sharded trunk, and
-    with the static decode loop (its buffers of fixed shape, the policy held whole while it samples)."""
+    adapters off, the merged save gathered from the shards), with the value head on the policy's sharded trunk, with
+    the static decode loop (its buffers of fixed shape, the policy held whole while it samples), and with GSPO's
+    ratio per response and CISPO's clipped weights (cut-off responses left out)."""
     one, two = tmp_path / "one", tmp_path / "two"
     rows_one, _ = run_script(script, one, *common(script, held_out), *flags)
     assert_rows_agree(run_torchrun(script, two, *common(script, held_out), *flags), rows_one)
     assert_same_model(two, one)
+    if "--mask_truncated" in flags:  # some responses were cut off and left out
+        assert any(r["response/truncated_left_out"] > 0 for r in rows_one[1:])
 
 
 def test_a_run_goes_on_from_a_checkpoint_on_another_number_of_processes(runs, held_out, tmp_path):

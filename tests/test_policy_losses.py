@@ -1,0 +1,273 @@
+"""grpo.py's and rloo.py's --policy_loss gspo and cispo against plain float64 computations written from the papers'
+equations (values, gradients by hand, clip fractions, with padding); several weighted rule rewards against a hand
+computation and against one function returning their sum; and --mask_truncated, in all three scripts."""
+import hashlib
+import math
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpo
+import ppo
+import rloo
+from helpers import ROOT, run_script
+
+LENGTHS = [7, 3, 5, 1, 6, 4]  # responses of a rollout, right-padded to 7
+ADVANTAGES = [1.5, -0.7, 0.4, -2.0, 0.9, -0.3]
+
+
+def ragged(seed=0):
+    """log-probs (B, T) float64 as response_logprobs gives them (0 past each response's end), the rollout's, a mask
+    and one advantage per response (B, 1); the ratios spread over both sides of a clip range of 0.1."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(LENGTHS)
+    mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
+    old = -3 * torch.rand(len(LENGTHS), T, generator=g, dtype=torch.float64) * mask
+    new = (old + 0.3 * torch.randn(len(LENGTHS), T, generator=g, dtype=torch.float64)) * mask
+    return new, old, torch.tensor(ADVANTAGES, dtype=torch.float64)[:, None], mask
+
+
+@pytest.mark.parametrize("module", [grpo, rloo])
+def test_gspo_matches_the_papers_sequence_ratio_token_by_token(module):
+    new, old, adv, mask = ragged(seed=1)
+    low, high = 0.1, 0.08
+    logprobs = new.clone().requires_grad_()
+    weights = torch.rand(new.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * mask
+    loss, ratio, clipped = module.gspo_loss(logprobs, old, adv, mask, low, high)
+    (loss * weights).sum().backward()
+    seen = set()
+    for i, n in enumerate(LENGTHS):
+        s = math.exp(sum(new[i, t].item() - old[i, t].item() for t in range(n)) / n)  # exp of the mean log-ratio
+        a = ADVANTAGES[i]
+        objective = min(s * a, min(max(s, 1 - low), 1 + high) * a)
+        is_clipped = (a > 0 and s > 1 + high) or (a < 0 and s < 1 - low)  # the min took the clipped term: no gradient
+        seen.add(is_clipped)
+        for t in range(n):
+            assert loss[i, t].item() == pytest.approx(-objective, rel=1e-12)
+            assert ratio[i, t].item() == pytest.approx(s, rel=1e-12)
+            assert clipped[i, t].item() == float(is_clipped)
+            # by hand: sg(s) exp(log pi - sg(log pi)) has the gradient s per token, so -w s A, or 0 when clipped
+            expected = 0.0 if is_clipped else -weights[i, t].item() * s * a
+            assert logprobs.grad[i, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert (logprobs.grad[i, n:] == 0).all()  # padding
+    assert seen == {True, False}  # both cases are tested
+
+
+@pytest.mark.parametrize("module", [grpo, rloo])
+def test_gspo_with_sequence_mean_is_the_papers_sequence_objective(module):
+    """With one advantage per response and sequence_mean weights, the GSPO-token loss equals -J_GSPO(theta) =
+    -1/B sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i), s_i = exp(mean_t log(pi/pi_old)), and so does
+    its gradient (autograd through the sequence form)."""
+    new, old, adv, mask = ragged(seed=2)
+    low, high = 0.05, 0.05
+    B, T = new.shape
+    token_form = new.clone().requires_grad_()
+    weights = module.loss_weights(mask, "sequence_mean", T, B, mask.sum().item())
+    loss = (module.gspo_loss(token_form, old, adv, mask, low, high)[0] * weights).sum()
+    sequence_form = new.clone().requires_grad_()
+    s = torch.exp(((sequence_form - old) * mask).sum(1) / mask.sum(1))  # (B,)
+    objective = torch.min(s * adv[:, 0], torch.clamp(s, 1 - low, 1 + high) * adv[:, 0]).mean()
+    assert loss.item() == pytest.approx(-objective.item(), rel=1e-12)
+    (grad_token,) = torch.autograd.grad(loss, token_form)
+    (grad_sequence,) = torch.autograd.grad(-objective, sequence_form)
+    torch.testing.assert_close(grad_token, grad_sequence, rtol=1e-12, atol=1e-15)
+    assert (grad_sequence != 0).any() and (grad_sequence == 0).any()  # some responses clipped, some not
+
+
+@pytest.mark.parametrize("module", [grpo, rloo])
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient(module):
+    new, old, adv, mask = ragged(seed=3)
+    low, high = 0.1, 0.2
+    logprobs = new.clone().requires_grad_()
+    weights = mask / mask.sum()
+    loss, ratio, clipped = module.cispo_loss(logprobs, old, adv, low, high)
+    (loss * weights).sum().backward()
+    kinds = set()
+    for i, n in enumerate(LENGTHS):
+        for t in range(n):
+            rho = math.exp(new[i, t].item() - old[i, t].item())
+            w = min(max(rho, 1 - low), 1 + high)  # the clipped importance weight, a constant for autograd
+            kinds.add("low" if rho < 1 - low else "high" if rho > 1 + high else "inside")
+            assert loss[i, t].item() == pytest.approx(-w * ADVANTAGES[i] * new[i, t].item(), rel=1e-12)
+            assert ratio[i, t].item() == pytest.approx(rho, rel=1e-12)
+            assert clipped[i, t].item() == float(not 1 - low <= rho <= 1 + high)
+            # by hand: d/d log pi of -w A log pi is -w A, clipped or not
+            assert logprobs.grad[i, t].item() == pytest.approx(-weights[i, t].item() * w * ADVANTAGES[i], rel=1e-12)
+    assert kinds == {"low", "high", "inside"}
+    assert (logprobs.grad[clipped.bool()] != 0).all() and clipped.sum() > 0  # clipped tokens still learn
+
+
+@pytest.mark.parametrize("module", [grpo, rloo])
+def test_surrogate_picks_the_loss_and_clip_is_todays_loss(module):
+    new, old, adv, mask = ragged(seed=4)
+    for kind, expected in (("clip", module.policy_loss(new, old, adv, 0.1, 0.2)),
+                           ("gspo", module.gspo_loss(new, old, adv, mask, 0.1, 0.2)),
+                           ("cispo", module.cispo_loss(new, old, adv, 0.1, 0.2))):
+        for got, want in zip(module.surrogate(kind, new, old, adv, mask, 0.1, 0.2), expected):
+            assert torch.equal(got, want), kind
+    # every ratio 1 (the first minibatch of a rollout): each loss is -A per token, or -A log pi (CISPO)
+    for kind in ("clip", "gspo", "cispo"):
+        loss, ratio, clipped = module.surrogate(kind, new, new, adv, mask, 0.1, 0.2)
+        assert torch.equal(ratio * mask, mask) and not clipped.any()
+
+
+# ---------------------------------------------------------------- the losses in a run, on the embedded task
+
+TINY = ["--total_episodes", "64", "--rollout_batch_size", "4", "--num_generations", "8", "--minibatch_size", "16",
+        "--micro_batch_size", "8", "--eval_every", "0"]
+PAPERS = {"gspo": ["--loss_aggregation", "sequence_mean", "--clip_range_low", "3e-4", "--clip_range_high", "4e-4"],
+          "cispo": ["--clip_range_low", "1"]}
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_each_loss_trains_with_a_first_ratio_of_one(script, loss, tmp_path):
+    rows, _ = run_script(script, tmp_path, *TINY, "--policy_loss", loss, *PAPERS[loss])
+    assert len(rows) == 2
+    for r in rows:
+        assert r["policy/first_ratio_dev"] < 1e-5  # logprobs_old recorded while sampling: ratio 1 on the first
+        assert math.isfinite(r["policy/loss"]) and math.isfinite(r["grad_norm/policy"]) and r["grad_norm/policy"] > 0
+    if loss == "gspo":  # four minibatches per rollout move each response's ratio past 4e-4 after the first
+        assert any(r["policy/clipfrac"] > 0 for r in rows)
+
+
+# ---------------------------------------------------------------- several weighted rule rewards
+
+RULES = """
+def correct(responses, answers):
+    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+
+def short(responses, answers):
+    return [float(len(r.strip()) <= 2) for r in responses]
+
+def both(responses, answers):
+    return [c + 0.5 * s for c, s in zip(correct(responses, answers), short(responses, answers))]
+
+def broken(responses, answers):
+    return [1.0 / (len(r.strip()) - 2) for r in responses]
+"""
+
+
+def scored(tmp_path, specs, weights=()):
+    """score_responses on four known responses to arithmetic prompts, the rules loaded as the scripts load them."""
+    (tmp_path / "rules.py").write_text(RULES)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    prompts, answers, replies = ["1+1=", "2+2=", "9+9=", "50+50="], ["2", "4", "18", "100"], ["2", "5", "18", "100"]
+    prompt_ids, prompt_mask = ppo.left_pad([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id, "cpu")
+    ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in replies]
+    width = max(map(len, ids))
+    responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in ids])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+    fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}")) for spec in specs]
+    args = ppo.Args(reward_fn=tuple(specs), reward_weights=weights)
+    return ppo.score_responses([], fns, tokenizer, torch.cat([prompt_ids, responses], 1),
+                               torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
+                               [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)], args)
+
+
+def test_two_weighted_rules_give_their_weighted_sum(tmp_path):
+    score, logged, texts, errors = scored(tmp_path, ["correct", "short"], (2.0, -0.25))
+    assert texts == ["2", "5", "18", "100"] and errors == 0
+    # by hand: correct 1 0 1 1, short 1 1 1 0; 2 * correct - 0.25 * short
+    assert score.tolist() == [1.75, -0.25, 1.75, 2.0]
+    assert logged["objective/accuracy"].tolist() == [1.75, -0.25, 1.75, 2.0]
+    assert logged["reward/correct"].tolist() == [1.0, 0.0, 1.0, 1.0] and logged["reward/short"].tolist() == [1.0] * 3 + [0.0]
+    score, logged, _, _ = scored(tmp_path, ["correct"])  # one rule, weight 1: its scores, and no reward/<name>
+    assert score.tolist() == [1.0, 0.0, 1.0, 1.0] and list(logged) == ["objective/accuracy"]
+
+
+def test_a_failing_rule_among_several_is_named(tmp_path):
+    with pytest.raises(SystemExit, match=r"the response '18' to the prompt '9\+9=' is an error \(ZeroDivisionError: "
+                                         r"float division by zero\) \(--reward_fn broken\)"):
+        scored(tmp_path, ["correct", "broken"])
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0,)), "--reward_weights needs one weight per"),
+    (dict(reward_fn=("arithmetic", "a.py:arithmetic")), "--reward_fn must name each function once"),
+])
+def test_bad_weights_or_names_stop_before_any_model_loads(kw, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        grpo.validate(grpo.Args(output_dir=str(tmp_path / "run"), **kw))
+    assert not (tmp_path / "run").exists()
+
+
+def weights_digest(out):
+    return hashlib.sha256(open(os.path.join(out, "model.safetensors"), "rb").read()).hexdigest()
+
+
+def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
+    (tmp_path / "rules.py").write_text(RULES)
+    held_out = tmp_path / "test.jsonl"
+    held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:12]))
+    common = [*TINY, "--total_episodes", "96", "--eval_every", "2", "--eval_dataset", str(held_out)]
+    rules = tmp_path / "rules.py"
+    two, _ = run_script("grpo.py", tmp_path / "two", *common, "--reward_fn", f"{rules}:correct", f"{rules}:short",
+                        "--reward_weights", "1", "0.5")
+    one, _ = run_script("grpo.py", tmp_path / "one", *common, "--reward_fn", f"{rules}:both")
+
+    def kept(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "reward/"))} for r in rows]
+
+    assert kept(two) == kept(one) and len(two) == 4
+    assert weights_digest(tmp_path / "two") == weights_digest(tmp_path / "one")
+    for r in two[1:]:  # each rule's mean is logged; their weighted sum is the rule score
+        assert r["objective/accuracy"] == pytest.approx(r["reward/correct"] + 0.5 * r["reward/short"], abs=1e-6)
+        assert "reward/correct" not in one[1]
+
+
+# ---------------------------------------------------------------- --mask_truncated
+
+def test_a_truncated_responses_gradient_is_exactly_zero():
+    """grpo's training loss as main builds it, on two responses of the tiny policy, the second cut off without a
+    stop token: with --mask_truncated its tokens get exactly no gradient (at the input embeddings), the first's do."""
+    path = os.path.join(ROOT, "assets", "tiny-sft")
+    policy, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    eos = tokenizer.eos_token_id
+    input_ids = torch.tensor([[5, 6, 7, 8, eos, 0], [5, 6, 9, 10, 11, 12]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    P, response_mask = 2, attention_mask[:, 2:]
+    has_eos = torch.isin(input_ids[:, P:], torch.tensor([eos])).any(1)
+    embedded = []
+
+    def keep(module, inputs, output):
+        output.retain_grad()
+        embedded.append(output)
+
+    policy.get_input_embeddings().register_forward_hook(keep)
+    for mask_truncated, expected in ((True, [True, False]), (False, [True, True])):
+        train_mask = response_mask * (has_eos | (not mask_truncated))[:, None]  # as in the scripts' step 3
+        logprobs = grpo.response_logprobs(policy, input_ids, attention_mask, P, 1.0)
+        pg_loss, _, _ = grpo.surrogate("clip", logprobs, logprobs.detach() - 0.01, torch.tensor([[1.0], [-1.0]]),
+                                       train_mask.float(), 0.2, 0.2)
+        weights = grpo.loss_weights(train_mask.float(), "token_mean", 4, 2, train_mask.sum().item())
+        (pg_loss * weights).sum().backward()
+        grad = embedded[-1].grad  # (2, 6, H)
+        assert [bool((grad[b] != 0).any()) for b in range(2)] == expected
+        policy.zero_grad()
+
+
+def moved(out):
+    trained, start = (AutoModelForCausalLM.from_pretrained(out),
+                      AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")))
+    return sum((a - b).abs().sum().item() for a, b in zip(trained.parameters(), start.parameters()))
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
+def test_a_rollout_cut_off_everywhere_takes_no_step_and_says_so(script, tmp_path):
+    """One token per response: none of these reaches its stop token. With --mask_truncated nothing is left in the
+    loss, so no optimiser step is taken (the policy does not move) and the line says so; without it the same run
+    moves the policy (the entropy bonus alone would)."""
+    sizes = (["--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8"] if script == "ppo.py"
+             else ["--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8"])
+    common = [*sizes, "--total_episodes", "8", "--response_length", "1", "--ent_coef", "0.01", "--eval_every", "0",
+              "--num_epochs", "1"]
+    rows, printed = run_script(script, tmp_path / "masked", *common, "--mask_truncated")
+    assert rows[-1]["response/eos_rate"] == 0.0 and rows[-1]["response/truncated_left_out"] == 1.0
+    assert "no optimiser step, as no response is left in the loss" in printed
+    assert moved(tmp_path / "masked") == 0 and "grad_norm/policy" not in rows[-1]
+    rows, printed = run_script(script, tmp_path / "kept", *common)
+    assert "no optimiser step" not in printed and "response/truncated_left_out" not in rows[-1]
+    assert moved(tmp_path / "kept") > 0
