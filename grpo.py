@@ -16,6 +16,8 @@ Where this file departs from the paper, and why:
 - Groups whose responses all score the same teach nothing (every advantage is 0); their fraction is logged,
   and --drop_zero_signal_groups leaves them out of the loss (DAPO's dynamic sampling, without resampling
   to refill the batch).
+- --policy_loss gspo (GSPO, Zheng et al. 2025: one clipped ratio per response) or cispo (MiniMax-M1's
+  clipped, detached importance weight on every token's log pi) replaces the per-token clipped surrogate.
 - logprobs_old are recorded while sampling, as in ppo.py, and dropout stays off.
 
 How to read it: Args, the math, the forward passes, main (the loop as numbered steps); below it, shared plumbing.
@@ -97,7 +99,7 @@ class Args:
     """rule rewards, added to the minimum of the reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k'
     (1 if its last number is the answer's, after '####'), file.py:function; several: their weighted sum"""
     reward_weights: tuple[float, ...] = ()
-    """the weight of each --reward_fn, in order (default: 1 each)"""
+    """the weight of each --reward_fn, in order (none given: 1 each)"""
 
     # GRPO: groups, the clipped surrogate, the KL term in the loss
     total_episodes: int = 256000

@@ -98,7 +98,7 @@ class Args:
     """rule rewards, added to the minimum of the reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k'
     (1 if its last number is the answer's, after '####'), file.py:function; several: their weighted sum"""
     reward_weights: tuple[float, ...] = ()
-    """the weight of each --reward_fn, in order (default: 1 each)"""
+    """the weight of each --reward_fn, in order (none given: 1 each)"""
 
     # PPO: batches, the critic, GAE, the KL penalty in the reward
     total_episodes: int = 9600

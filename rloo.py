@@ -13,6 +13,8 @@ Where this file departs from the paper, and why:
   the ratio to logprobs_old keeps each step proximal.
 - Scores are normalised by running moments and a response without EOS pays a penalty, as in ppo.py.
 - --kl_in_loss moves the KL from the reward into the loss (grpo.py's k3 term), an option the paper lacks.
+- --policy_loss gspo (GSPO, Zheng et al. 2025: one clipped ratio per response) or cispo (MiniMax-M1's
+  clipped, detached importance weight on every token's log pi) replaces the per-token clipped surrogate.
 - logprobs_old are recorded while sampling, as in ppo.py, and dropout stays off.
 
 How to read it: Args, the math, the forward passes, main (the loop as numbered steps); below it, shared plumbing.
@@ -93,7 +95,7 @@ class Args:
     """rule rewards, added to the minimum of the reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k'
     (1 if its last number is the answer's, after '####'), file.py:function; several: their weighted sum"""
     reward_weights: tuple[float, ...] = ()
-    """the weight of each --reward_fn, in order (default: 1 each)"""
+    """the weight of each --reward_fn, in order (none given: 1 each)"""
 
     # RLOO: k samples per prompt, a leave-one-out baseline, the KL in the reward
     total_episodes: int = 64000

@@ -170,16 +170,18 @@ def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
 def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
     path = readme_files(tmp_path)["my_reward.py"]
     readme = open(os.path.join(ROOT, "README.md")).read()
-    command = re.search(r"^python grpo\.py --reward_fn my_reward\.py:reward.*$", readme, re.M).group(0)
-    fn = grpo.load_reward_fn(f"{path}:reward")
-    # correct and well formed 1.1, well formed but wrong 0.1, neither 0: by hand
-    assert fn(["12", "13", "twelve"], ["12", "12", "12"]) == pytest.approx([1.1, 0.1, 0.0])
-    argv = command.split()[2:]
-    argv = [f"{path}:reward" if a == "my_reward.py:reward" else a for a in argv[: argv.index("--output_dir")]]
-    rows, _ = run_script("grpo.py", tmp_path / "run", *argv, *TINY["grpo.py"], "--total_episodes", "16",
-                         "--eval_every", "0")
-    accuracy_bonus = [r["objective/score"] - r["objective/accuracy"] for r in rows]
-    assert all(0 <= bonus <= 0.1 + 1e-6 for bonus in accuracy_bonus)  # the score is the rule's plus the format's
+    command = re.search(r"^python grpo\.py --reward_fn my_reward\.py:correct my_reward\.py:bare_number .*$", readme,
+                        re.M).group(0)
+    correct, bare_number = (grpo.load_reward_fn(f"{path}:{name}") for name in ("correct", "bare_number"))
+    # by hand: correct and well formed, well formed but wrong, neither
+    assert correct(["12", "13", "twelve"], ["12", "12", "12"]) == [1.0, 0.0, 0.0]
+    assert bare_number(["12", "13", "twelve"], ["12", "12", "12"]) == [1.0, 1.0, 0.0]
+    argv = [a.replace("my_reward.py:", f"{path}:") for a in command.split()[2:]]
+    rows, _ = run_script("grpo.py", tmp_path / "run", *argv[: argv.index("--output_dir")], *TINY["grpo.py"],
+                         "--total_episodes", "16", "--eval_every", "0")
+    for r in rows:  # the score is the right answers' rate plus 0.1 times the well-formed rate
+        assert r["objective/score"] == pytest.approx(r["reward/correct"] + 0.1 * r["reward/bare_number"], abs=1e-6)
+    assert any(r["reward/bare_number"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -173,7 +173,8 @@ def test_two_weighted_rules_give_their_weighted_sum(tmp_path):
     # by hand: correct 1 0 1 1, short 1 1 1 0; 2 * correct - 0.25 * short
     assert score.tolist() == [1.75, -0.25, 1.75, 2.0]
     assert logged["objective/accuracy"].tolist() == [1.75, -0.25, 1.75, 2.0]
-    assert logged["reward/correct"].tolist() == [1.0, 0.0, 1.0, 1.0] and logged["reward/short"].tolist() == [1.0] * 3 + [0.0]
+    assert logged["reward/correct"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert logged["reward/short"].tolist() == [1.0, 1.0, 1.0, 0.0]
     score, logged, _, _ = scored(tmp_path, ["correct"])  # one rule, weight 1: its scores, and no reward/<name>
     assert score.tolist() == [1.0, 0.0, 1.0, 1.0] and list(logged) == ["objective/accuracy"]
 
