@@ -688,6 +688,8 @@ def start_processes(args):
     hf_logging.disable_progress_bar()  # transformers' loading and saving bars; the run's own bar stays
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    else:  # a plain run's checkpoints are one process's, as meant: torch need not warn at each save and load
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
@@ -709,7 +711,6 @@ def load_task(args, device):
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
     reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
     return tokenizer, prompts, rows, held_out, stop_ids, reward_fns
-
 
 # ---- loading
 def check_model_path(path, kind, what):
@@ -828,7 +829,6 @@ def load_reward_models(args, tokenizer, device):
         pairs.append((model, own))
     return pairs
 
-
 # ---- FSDP2
 def shard(model, args):
     """FSDP2 over all processes, a unit per transformer block; gradients summed, as each loss is a share of one."""
@@ -866,7 +866,6 @@ def gather_rows(tensors):
         dist.all_gather(parts, x)
         gathered[key] = torch.cat(parts)
     return gathered
-
 
 # ---- static cache and CUDA graphs
 STATIC_DECODERS = {}  # (policy, batch, sampling settings) -> StaticDecoder, kept from call to call
@@ -962,7 +961,6 @@ class StaticDecoder:
         self.logits.copy_(out.logits[:, -1])
         for counter in (self.position, self.step, self.column):
             counter.add_(1)
-
 
 # ---- data
 def read_rows(path, split, args):
@@ -1082,7 +1080,6 @@ def left_pad(sequences, pad_token_id, device, width=None):
         ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
     return ids.to(device), mask.to(device)
 
-
 # ---- rewards and evaluation
 def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
     """Scores (B,) that are not finite stop the run (in stops), or go below the batch's lowest; with their count."""
@@ -1139,7 +1136,7 @@ def load_reward_fn(spec):
         raise SystemExit(f"--reward_fn {spec}: the file '{where}' does not exist; pass the path of a Python file.")
     try:
         module = reward_module(where) if where.endswith(".py") else pkgutil.resolve_name(where)
-    except Exception as e:
+    except BaseException as e:  # sys.exit() at import too
         raise SystemExit(f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or "
                          "check the module's name and that it is importable from here.")
     fn = getattr(module, name, None)
@@ -1156,26 +1153,27 @@ def load_reward_fn(spec):
 
 @functools.cache  # a user's file is run once, when the arguments are checked, and the same module used after
 def reward_module(path):
-    """The module of a user's reward file."""
+    """A user's reward file as a module: in sys.modules (a process pool pickles it), its folder on sys.path."""
+    sys.path.append(os.path.dirname(os.path.abspath(path)))
     found = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-    module = importlib.util.module_from_spec(found)
+    module = sys.modules[found.name] = importlib.util.module_from_spec(found)
     found.loader.exec_module(module)
     return module
 
 def call_reward_fn(reward_fn, texts, answers):
     """The rule's scores (nan where none) and the first error, each response alone when the batch's call fails."""
     try:
-        scores = [float(x) for x in reward_fn(texts, answers)]
+        scores = [float(x) for x in reward_fn(list(texts), list(answers))]  # copies in: it may change them
         if len(scores) == len(texts):
             return scores, "not a finite number"
-    except Exception:
+    except BaseException:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
         pass
     scores, errors = [], []
     for text, answer in zip(texts, answers):
         try:
             (score,) = reward_fn([text], [answer])  # exactly one score, else a ValueError names the count
             scores.append(float(score))
-        except Exception as e:
+        except BaseException as e:
             scores.append(float("nan"))
             errors.append(f"an error ({type(e).__name__}: {e})")
     return scores, errors[0] if errors else None
@@ -1218,7 +1216,6 @@ def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, a
                                           [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
     return {} if any(isinstance(r, str) for r in stops or []) else result
-
 
 # ---- checks and alarms
 def require(args, names, rule, ok):
@@ -1313,7 +1310,6 @@ ALARMS = {
     "value_divergence": "the value loss rose above its start: keep --normalize_reward, lower --value_learning_rate.",
     "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier.",
 }
-
 
 # ---- checkpoints, stop signals and bad steps
 # What may differ between a run and its resumption (the number of processes too); every other argument must match.
@@ -1457,7 +1453,6 @@ def save_checkpoint(args, models, optimizers, state, rank):
     if all_processes(saved and checkpoint_identity(path) == run_identity(args))[0]:  # a stop just after a save
         return path
     refuse_non_finite(models, f"{path} is not written", args)
-
     def together(step, here=True):  # step() where here is true; the first error of any process, on all of them
         error = None
         try:
@@ -1469,27 +1464,21 @@ def save_checkpoint(args, models, optimizers, state, rank):
                 e = e[0] if isinstance(e, tuple) else e
             error = f"{type(e).__name__}: {e}"[:300]
         return next((e for e in all_processes(error) if e), None)
-
     def begin():  # rank 0: the folder, the log so far, the arguments and the state
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
         for name, content in (("args.json", asdict(args)), ("state.json", state)):
             pathlib.Path(tmp, name).write_text(json.dumps(content, indent=2))
-
-    def shards():  # every process; returns when every process has written
-        with warnings.catch_warnings():  # a plain run's checkpoint is written by one process, as meant: no warning
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
-
+    def shards():  # every process; returns when every process has written (a plain run's alone, as meant)
+        dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
     def rename():  # rank 0: over a stale or damaged checkpoint-N; then the oldest ones and any save cut short go
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
         cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir)
                      if n.startswith("checkpoint-") and n.endswith(".tmp")]
         for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
-            shutil.rmtree(old)
-
+            os.remove(old) if os.path.islink(old) else shutil.rmtree(old)  # a link goes, never what it points to
     error = (together(begin, rank == 0) or together(shards)
              or together(lambda: write_manifest(tmp, args, state["iteration"], rank)) or together(rename, rank == 0))
     if error:
@@ -1510,25 +1499,25 @@ def write_failure(what, error, args, needed_mb=None):
 
 def load_checkpoint(path, models, optimizers):
     """Models and optimisers as saved, for any process count; the state (every draw is seeded by the iteration)."""
-    saved = trainer_state_dicts(models, optimizers)
+    saved, state = trainer_state_dicts(models, optimizers), read_json(os.path.join(path, "state.json"))
     dcp.load(saved, checkpoint_id=path)
     for k in models:
         set_state_dict(models[k], optimizers[k], model_state_dict=saved[k]["model"],
                        optim_state_dict=saved[k]["optimizer"])
-    return read_json(os.path.join(path, "state.json"))
+        if state["iteration"] == 0:  # saved before any step: its Adam state is get_state_dict's zero-gradient step
+            optimizers[k].state.clear()  # (step 1, no moments), not one the run took; so Adam starts as the run did
+    return state
 
 def catch_stop_signals():
     """SIGTERM or Ctrl-C stops the run where it can save, a second at once: the list of reasons to stop (signals)."""
     stops = []
-
     def on_signal(signum, frame):
         if any(isinstance(r, int) for r in stops):
             os._exit(128 + signum)
         stops.append(signum)
         print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (again: quit at once)", flush=True)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    os.register_at_fork(after_in_child=lambda: [signal.signal(s, h) for s, h in previous.items()])  # pool workers
     return stops
 
 def stop_and_save(stops, args, models, optimizers, state, rank, device):
@@ -1594,7 +1583,6 @@ def refuse_non_finite(models, what, args):
                          + (f"; the newest checkpoint is {newest}." if newest else ".")
                          if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 
-
 # ---- dashboard and log
 NOT_SUMS = ("tokens", "steps", "ratio_max", "first_ratio_dev")  # the keys of stats that are not sums over tokens
 
@@ -1638,6 +1626,22 @@ def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, roll
     m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
     return m
 
+def lock_output_dir(folder):
+    """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
+    path, me = os.path.join(folder, "run.lock"), f"process {os.getpid()} on {os.uname().nodename}"
+    f = open(path, "a+")
+    before = os.pread(f.fileno(), 1000, 0).decode()  # the process holding it, or that held it last
+    try:
+        os.lockf(f.fileno(), os.F_TLOCK, 0)
+    except (BlockingIOError, PermissionError):
+        raise SystemExit(f"--output_dir '{folder}' is in use by another run ({before}, its {path}); wait for it to "
+                         "end, or pass another --output_dir.") from None
+    if before not in ("", me):
+        print(f"{path}: {before} has ended; this run takes the folder over")
+    f.truncate(0)
+    print(me, file=f, end="", flush=True)
+    return f
+
 def resumed_log(checkpoint, metrics):
     """A resumed run's log: the checkpoint's whole rows; the run's own later lines kept in a side file."""
     lines = pathlib.Path(checkpoint, "metrics.jsonl").read_text().splitlines(keepends=True)
@@ -1669,6 +1673,7 @@ class Log:
         self.file = self.wandb = None
         if self.on:
             os.makedirs(args.output_dir, exist_ok=True)
+            self.lock = lock_output_dir(args.output_dir)  # before anything is written there
             pathlib.Path(args.output_dir, "args.json").write_text(json.dumps(asdict(args), indent=2))
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
             if args.resume:  # the log as far as the checkpoint goes, then on from there
@@ -1709,8 +1714,7 @@ class Log:
             tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
                        f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}")
             if not any(key.startswith("grad_norm/") for key in m):  # every minibatch skipped
-                tqdm.write(f"iter {iteration}: no optimiser step, as no response is left in the loss (--mask_truncated "
-                           "leaves out those cut off, --drop_zero_signal_groups those whose group scored alike)")
+                tqdm.write(f"iter {iteration}: no optimiser step: every response was left out of the loss")
             for name in [name for name, on in firing.items() if on and name not in state["alarms_on"]]:
                 tqdm.write(f"ALARM {name}: {ALARMS[name]}")
             self.progress.set_postfix({label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED
@@ -1740,13 +1744,6 @@ class Log:
                    resume="allow", dir=args.output_dir, save_code=True)
         return wandb
 
-    def close(self):
-        self.progress.close()
-        if self.on:
-            self.file.close()
-            if self.wandb:
-                self.wandb.finish()
-
 def finish(policy, tokenizer, log, state, args, rank):
     """The policy and tokenizer saved for from_pretrained, unless not finite; the log and the processes closed."""
     if state["bad_steps"]:
@@ -1765,7 +1762,10 @@ def finish(policy, tokenizer, log, state, args, rank):
         except OSError as e:
             raise SystemExit(write_failure("saving the policy", f"{type(e).__name__}: {e}", args))
         print(f"saved the policy to {args.output_dir}")
-    log.close()
+        log.file.close()
+        if log.wandb:
+            log.wandb.finish()
+    log.progress.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 

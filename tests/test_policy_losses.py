@@ -267,7 +267,7 @@ def test_a_rollout_cut_off_everywhere_takes_no_step_and_says_so(script, tmp_path
               "--num_epochs", "1"]
     rows, printed = run_script(script, tmp_path / "masked", *common, "--mask_truncated")
     assert rows[-1]["response/eos_rate"] == 0.0 and rows[-1]["response/truncated_left_out"] == 1.0
-    assert "no optimiser step, as no response is left in the loss" in printed
+    assert "no optimiser step: every response was left out of the loss" in printed
     assert moved(tmp_path / "masked") == 0 and "grad_norm/policy" not in rows[-1]
     rows, printed = run_script(script, tmp_path / "kept", *common)
     assert "no optimiser step" not in printed and "response/truncated_left_out" not in rows[-1]

@@ -730,5 +730,5 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
                      rf"\d+ MB free and about \d+ MB are needed: free some space \(or make the folder writable again\) "
                      rf"and go on from {re.escape(str(out / 'checkpoint-3'))}, the last good checkpoint, with --resume "
                      r"auto\.$", result.stderr.strip())
-    assert sorted(os.listdir(out)) == ["args.json", "checkpoint-3", "metrics.jsonl"]  # no checkpoint-4.tmp
+    assert sorted(os.listdir(out)) == ["args.json", "checkpoint-3", "metrics.jsonl", "run.lock"]  # no checkpoint-4.tmp
     assert rloo.checkpoint_damage(str(out / "checkpoint-3")) is None

@@ -1,0 +1,157 @@
+"""Runs as people make them: two runs into one folder, a stop before the first optimiser step, reward code that uses
+process pools, calls sys.exit or changes its inputs, a checkpoint moved elsewhere and linked back. Each case is
+compared with what must happen: one run refused in one sentence, the same run bitwise, the same metrics as the
+function called in-process."""
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, run_script
+from test_robustness import (ENV, assert_bitwise_equal, cli, failing_reward, final_state, launch, read_rows, wait_for,
+                             without_timing)
+
+
+# ---------------------------------------------------------------- one run per folder
+
+def test_a_second_run_into_a_busy_folder_is_refused_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    first = launch("grpo.py", out, cli("grpo.py", total_episodes=160))
+    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and os.path.getsize(out / "metrics.jsonl") > 0, first)
+    first.send_signal(signal.SIGSTOP)  # still running, frozen while the second tries: the folder cannot change
+    before = {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)}
+    second = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), "--output_dir", str(out),
+                             *cli("grpo.py", total_episodes=160, learning_rate=1e-3)], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=240)
+    holder = f"process {first.pid} on {os.uname().nodename}"
+    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert second.stderr.strip().endswith(f"--output_dir '{out}' is in use by another run ({holder}, its "
+                                          f"{out}/run.lock); wait for it to end, or pass another --output_dir.")
+    assert {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)} == before
+    first.send_signal(signal.SIGCONT)
+    first.communicate(timeout=240)
+    assert first.returncode == 0 and len(read_rows(out)) == 20  # the first run went on, alone
+
+
+def test_a_lock_left_by_a_process_that_ended_is_taken_over_and_said(tmp_path):
+    """A run killed with -9 holds no lock any more (the system let it go), and its file still names it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text(f"process 4194999 on {os.uname().nodename}")
+    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=16))
+    assert f"process 4194999 on {os.uname().nodename} has ended; this run takes the folder over" in printed
+    assert len(rows) == 2
+
+
+# ---------------------------------------------------------------- exact resume from a stop before the first step
+
+ARITHMETIC = ["--dataset", os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"), "--reward_fn", "arithmetic",
+              "--reward_model_path", "--eval_every", "0", "--save_every", "3"]
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
+def test_a_reward_failing_in_iteration_1_resumes_bitwise(script, tmp_path):
+    """The reward (a grading service standing in for the arithmetic rule) fails in iteration 1, before any optimiser
+    step: checkpoint-0 is what the run leaves. Resumed with the service back, the run is the one whose reward never
+    failed, to its Adam states."""
+    args = [*cli(script), *ARITHMETIC]
+    full, _ = run_script(script, tmp_path / "full", *args)
+    out = tmp_path / "run"
+    proc = launch(script, out, args, prelude=failing_reward(tmp_path, 1, rank=0))
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1 and "stopped after iteration 0; to go on:" in printed, printed[-3000:]
+    command = printed.split("to go on:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"--resume {out / 'checkpoint-0'}")
+    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "torch.distributed is disabled" not in result.stderr  # a plain run's checkpoint is one process's, as meant
+    assert without_timing(read_rows(out)) == without_timing(full)
+    assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
+
+
+# ---------------------------------------------------------------- reward code as people write it
+
+POOLS = """
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+from grading import grade  # a module beside this file
+
+
+def one(pair):
+    return grade(*pair)
+
+
+def in_process(responses, answers):
+    return [one(pair) for pair in zip(responses, answers)]
+
+
+def with_a_pool(responses, answers):
+    with multiprocessing.Pool(2) as pool:
+        return pool.map(one, list(zip(responses, answers)))
+
+
+def with_an_executor(responses, answers):
+    with ProcessPoolExecutor(2) as pool:
+        return list(pool.map(one, list(zip(responses, answers))))
+
+
+def takes_its_inputs(responses, answers):
+    scores = in_process(responses, answers)
+    responses.clear(), answers.pop()
+    return scores
+
+
+def exits(responses, answers):
+    raise SystemExit(0)
+"""
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    (tmp_path / "grading.py").write_text("def grade(response, answer):\n"
+                                         "    return float(response.strip() == str(answer).strip())\n")
+    (tmp_path / "pools.py").write_text(POOLS)
+    return tmp_path / "pools.py"
+
+
+def test_reward_functions_with_process_pools_train_as_in_process(reward_file, tmp_path):
+    """A multiprocessing.Pool and a ProcessPoolExecutor over the file's own function (which imports a module beside
+    it) give grpo.py the metrics the same function gives in-process, bitwise; no worker runs the trainer's SIGTERM
+    handler (a pool ends its workers with SIGTERM); a function that empties its inputs changes nothing."""
+    args = cli("grpo.py", total_episodes=24)
+    runs = {}
+    for name in ("in_process", "with_a_pool", "with_an_executor", "takes_its_inputs"):
+        rows, printed = run_script("grpo.py", tmp_path / name, *args, "--reward_fn", f"{reward_file}:{name}")
+        assert "stopping to save" not in printed, name
+        runs[name] = without_timing(rows)
+    assert runs["with_a_pool"] == runs["with_an_executor"] == runs["takes_its_inputs"] == runs["in_process"]
+    assert len(runs["in_process"]) == 3
+
+
+def test_sys_exit_in_reward_code_is_a_reward_failure(reward_file, tmp_path):
+    out = tmp_path / "run"
+    proc = launch("grpo.py", out, [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:exits"])
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1, printed[-3000:]
+    assert "is an error (SystemExit: 0); fix the reward" in printed and "--resume" in printed
+    assert "Traceback" not in printed
+
+
+# ---------------------------------------------------------------- a checkpoint moved away and linked back
+
+def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1))  # checkpoint-1 and -2
+    elsewhere.mkdir()
+    shutil.move(out / "checkpoint-1", elsewhere / "checkpoint-1")
+    os.symlink(elsewhere / "checkpoint-1", out / "checkpoint-1")
+    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=32, save_every=1), "--resume", "auto")
+    assert len(rows) == 4 and sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
+        "checkpoint-3", "checkpoint-4"]
+    assert (elsewhere / "checkpoint-1" / "manifest.json").exists()  # what the link pointed to is still there
