@@ -687,6 +687,8 @@ def check_model_path(path, kind, what):
     """One sentence, before anything loads, for a path that is not a model of its kind ('model': any)."""
     if not os.path.isdir(path) and not hub_constants.HF_HUB_OFFLINE and not reachable(hub_constants.ENDPOINT):
         hub_constants.HF_HUB_OFFLINE = True  # no network: a model cached earlier still loads, any other fails at once
+    if os.path.isfile(path):
+        raise SystemExit(f"{what} '{path}' is a file; pass the folder that holds the model (save_pretrained's).")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
@@ -870,9 +872,8 @@ class StaticDecoder:
         self.position = torch.zeros(B, 1, **long)  # (B, 1) of the token fed next
         self.step, self.column = torch.zeros(1, **long), torch.zeros(1, **long)  # t, drawn next; P + t, its column
         self.done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-        self.tokens = torch.zeros(B, max_new_tokens, **long)  # (B, T)
-        self.logprobs = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
-        self.masks = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # (B, T)
+        self.tokens, self.logprobs, self.masks = (torch.zeros(B, max_new_tokens, dtype=dtype, device=device)  # (B, T)
+                                                  for dtype in (torch.long, torch.float32, torch.bool))
 
     def run(self, policy, cache, logits, prompt_mask, uniforms, temperature):
         """The steps from generate's prefill on, for prompts (B, P); returns what generate returns."""
@@ -900,8 +901,7 @@ class StaticDecoder:
             return self.graphs[sampling].replay()
         if not self.capture or sampling in self.graphs:  # no capture here, or it failed
             return self.step_once(policy, *sampling)
-        # The first step runs op by op on the stream the capture uses (compiling the Triton kernels, setting up
-        # cuBLAS there), then the step is captured, which runs nothing: the state stays that after one step.
+        # one step op by op on the capture's stream (Triton compiles, cuBLAS sets up), then the capture: it runs nothing
         stream, self.graphs[sampling] = torch.cuda.Stream(), None
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -970,9 +970,9 @@ def load_prompts(path, split, args, tokenizer):
         if args.prompt_field not in has:
             raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
                              f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts.")
-        if REWARD_FNS.keys() & set(args.reward_fn) and args.answer_field not in has:  # a user's reward may need none
+        if REWARD_FNS.keys() & set(args.reward_fn) and row.get(args.answer_field) is None:  # yours may need none
             raise SystemExit(f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
-                             f"'{path}' has no '{args.answer_field}' (it has {has}); pass --answer_field.")
+                             f"'{path}' has no (or a null) '{args.answer_field}' (it has {has}); pass --answer_field.")
         prompt = row[args.prompt_field]
         is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
             isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
@@ -1200,6 +1200,8 @@ def check_common_args(args, responses_per_iteration):
     if embedded and not os.path.isdir(ASSETS):  # this file copied alone
         raise SystemExit(f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
                          "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset).")
+    require(args, [f.name for f in fields(args) if f.type is float], "must be finite", lambda v: abs(v) < 1e308)
+    require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
     require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length",
                    "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"),
@@ -1301,10 +1303,10 @@ def all_processes(value):
     dist.all_gather_object(values, value)
     return values
 
-def read_json(path):
-    """The JSON in a file, or None where it is missing or not JSON."""
+def read_json(path=None, text=None):
+    """The JSON in a file (or a text), or None where it is missing or not JSON."""
     try:
-        return json.loads(pathlib.Path(path).read_text())
+        return json.loads(pathlib.Path(path).read_text() if text is None else text)
     except (OSError, ValueError):
         return None
 
@@ -1615,12 +1617,7 @@ def lock_output_dir(folder):
 def resumed_log(checkpoint, metrics):
     """A resumed run's log: the checkpoint's whole rows; the run's own later lines kept in a side file."""
     lines = pathlib.Path(checkpoint, "metrics.jsonl").read_text().splitlines(keepends=True)
-    rows = []
-    for line in lines:  # whole rows: JSON objects, ended by a newline
-        try:
-            rows += [line] if line.endswith("\n") and isinstance(json.loads(line), dict) else []
-        except ValueError:
-            pass
+    rows = [line for line in lines if line.endswith("\n") and isinstance(read_json(text=line), dict)]  # whole rows
     if len(rows) < len(lines):
         print(f"--resume: dropped {len(lines) - len(rows)} line(s) of {checkpoint}/metrics.jsonl that are not whole "
               "rows (a write cut short)")
@@ -1650,6 +1647,9 @@ class Log:
                 resumed_log(args.resume, metrics)
             self.file = open(metrics, "a" if args.resume else "w")
             self.wandb = self.start_wandb(state) if args.track else None
+        if state["iteration"] >= args.num_iterations and self.on:  # a resume with nothing left to train
+            print(f"--total_episodes {args.total_episodes} ends at iteration {args.num_iterations}; the checkpoint is "
+                  f"at {state['iteration']}, so no step is taken: its policy is saved as it is (raise it to go on)")
         self.t_start = time.time() - state["elapsed"]
         self.progress = tqdm(total=args.num_iterations, initial=state["iteration"], unit="iter", dynamic_ncols=True,
                              disable=not self.on or not sys.stderr.isatty())

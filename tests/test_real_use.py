@@ -10,7 +10,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import grpo
 from helpers import ROOT, run_script
 from test_robustness import (ENV, assert_bitwise_equal, cli, failing_reward, final_state, launch, read_rows, wait_for,
                              without_timing)
@@ -155,3 +157,24 @@ def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
     assert len(rows) == 4 and sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
         "checkpoint-3", "checkpoint-4"]
     assert (elsewhere / "checkpoint-1" / "manifest.json").exists()  # what the link pointed to is still there
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
+    out = tmp_path / "run"
+    run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1))  # two iterations
+    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=8, save_every=1), "--resume", "auto")
+    assert ("--total_episodes 8 ends at iteration 1; the checkpoint is at 2, so no step is taken: its policy is "
+            "saved as it is (raise it to go on)") in printed
+    assert len(rows) == 2
+
+
+def test_a_null_answer_for_a_built_in_rule_is_refused(tmp_path):
+    """"answer": null would be scored against the text 'None'; the row is named before any model loads."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": null}\n')
+    args = grpo.Args(dataset=str(data), output_dir=str(tmp_path / "run"), eval_every=0)
+    grpo.validate(args)
+    with pytest.raises(SystemExit, match="--reward_fn arithmetic needs an answer column, but row 2 of .* has no "
+                                         "\\(or a null\\) 'answer'"):
+        grpo.load_task(args, torch.device("cpu"))
+    assert not (tmp_path / "run").exists()

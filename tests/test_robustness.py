@@ -422,6 +422,15 @@ COMMON_BAD = [
     (dict(resume="/nonexistent/checkpoint-3.tmp"), "is a save that was cut short \\(a .tmp folder, never finished\\)"),
     (dict(minibatch_size=8, micro_batch_size=3), "does not divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
+    # non-finite floats pass every comparison but "finite"; a seed past 9e12 overflows the generator's 64 bits
+    (dict(kl_coef=float("inf")), "--kl_coef must be finite \\(got inf\\)"),
+    (dict(temperature=float("inf")), "--temperature must be finite"),
+    (dict(ent_coef=float("nan")), "--ent_coef must be finite \\(got nan\\)"),
+    (dict(lora_alpha=float("inf")), "--lora_alpha must be finite"),
+    (dict(seed=2 * 10**13), "--seed must lie in \\[0, 9e12\\]"),
+    (dict(seed=2**63 - 1), "--seed must lie in"),
+    (dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft", "config.json")),
+     "--model_name_or_path '.*config.json' is a file; pass the folder that holds the model"),
 ] + ([] if torch.cuda.is_available() else [(dict(decode="cuda_graph"), "--decode cuda_graph needs a GPU")])
 GROUP_BAD = [
     (dict(num_generations=1), "--num_generations must be at least 2"),
