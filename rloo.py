@@ -427,7 +427,7 @@ def head_outputs(model, input_ids, attention_mask):
 @torch.no_grad()
 def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
-    plus the rules' weighted sum; also the rules' scores to log (B,) each, the texts and how many failed (stop?)."""
+    plus the rules' weighted sum; also the rules' scores to log (B,) each, the texts and how many failed."""
     texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
     last = P + attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     rm_scores = []  # K x (B,)
