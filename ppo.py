@@ -21,11 +21,9 @@ Where this file departs from the papers, and why:
 
 How to read it: Args, the math, the forward passes, main (the loop as numbered steps); below it, shared plumbing.
 
-Commands:
-  python ppo.py                                     # the embedded default: tiny models, CPU, minutes
-  python ppo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> \\
-      --dataset <prompts.jsonl> --mixed_precision     # one GPU, hub models
-  torchrun --nproc_per_node=8 ppo.py --args ...     # one process per GPU, every model sharded (FSDP2)
+Commands: `python ppo.py` (the embedded default: tiny models, CPU, minutes); `python ppo.py --model_name_or_path
+Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --mixed_precision` (one GPU, hub
+models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, every model sharded with FSDP2).
 """
 
 import functools
@@ -95,8 +93,7 @@ class Args:
     reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ()
-    """rule rewards, added to the minimum of the reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k'
-    (1 if its last number is the answer's, after '####'), file.py:function; several: their weighted sum"""
+    """rule rewards, weighted, summed and added to the reward models' minimum: arithmetic, gsm8k, file.py:function"""
     reward_weights: tuple[float, ...] = ()
     """the weight of each --reward_fn, in order (none given: 1 each)"""
 
@@ -118,8 +115,7 @@ class Args:
     value_model_path: Optional[str] = None
     """where the critic is initialised from; default: the first reward model, else the policy"""
     shared_backbone: bool = False
-    """the critic is a scalar head on the policy's own trunk (one model fewer in memory, one trunk pass for both
-    heads in training) instead of a model of its own"""
+    """the critic as a scalar head on the policy's own trunk: one model fewer, one trunk pass for both in training"""
     value_learning_rate: float = 1e-4
     """critic learning rate"""
     value_clip_range: float = 0.2
@@ -220,8 +216,7 @@ class Args:
 
     # precision and memory
     mixed_precision: bool = False
-    """bf16 compute over fp32 master weights and Adam states (FSDP2's mixed precision under torchrun, autocast in
-    one process); frozen models in bf16"""
+    """bf16 compute over fp32 weights and Adam states (FSDP2's policy, or autocast); frozen models in bf16"""
     gradient_checkpointing: bool = False
     """recompute each block's activations in the backward pass, not keeping them (less memory, 1/3 more compute)"""
     replicate_frozen: bool = False
@@ -229,8 +224,7 @@ class Args:
 
     # LoRA
     lora_r: int = 0
-    """LoRA rank: train low-rank adapters on the frozen base of each trained model (0: train every weight); the
-    reference is then the policy with its adapters off"""
+    """LoRA rank: adapters on each trained model's frozen base, the reference being the policy without (0: no LoRA)"""
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
     lora_dropout: float = 0.0
@@ -315,14 +309,11 @@ def gae_advantages(rewards, values, response_mask, gamma, lam):
     with V = 0 after the last token. rewards, values, response_mask (B, T); returns the advantages (B, T) and
     returns = A + V (B, T), the critic's regression target."""
     rewards, values = rewards * response_mask, values * response_mask  # (B, T); zero past the end
-    T = rewards.shape[1]
-    advantages = torch.zeros_like(rewards)
-    last_gae = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last_gae)
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
-        advantages[:, t] = last_gae
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # V(s_{t+1}); 0 after the last token
+    deltas = rewards + gamma * next_values - values  # (B, T)
+    advantages, last_gae = torch.zeros_like(rewards), 0.0
+    for t in reversed(range(rewards.shape[1])):
+        advantages[:, t] = last_gae = deltas[:, t] + gamma * lam * last_gae
     advantages = advantages * response_mask
     return advantages, advantages + values
 
@@ -337,9 +328,8 @@ def value_loss(values, values_old, returns, clip_range):
 
 
 def adaptive_kl_coef(kl_coef, kl, kl_target, horizon, n_episodes):
-    """Ziegler et al. (2019) proportional controller: e = clip(KL / target - 1, -0.2, 0.2),
-    beta <- beta (1 + e n / horizon). KL above target raises beta, below lowers it; a non-finite KL (the rollout of a
-    broken policy) leaves it as it is. Floats in, a float out."""
+    """Ziegler et al. (2019) proportional controller: e = clip(KL / target - 1, -0.2, 0.2), beta <- beta (1 + e n /
+    horizon). KL above target raises beta, below lowers it; a non-finite KL (a broken policy's) leaves it. Floats."""
     if not math.isfinite(kl):
         return kl_coef
     error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
@@ -379,18 +369,35 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
     """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
     0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
     an exp of it in a KL estimate or a ratio would turn the masked sum into inf * 0 = nan. Masked before any exp."""
-    positions = position_ids_from(attention_mask)
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-    logits = logits[:, prompt_length - 1 : -1]  # (B, T, V): position t predicts token t+1
-    out = token_logprobs(logits, input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                    logits_to_keep=input_ids.shape[1] - prompt_length + 1).logits  # the LM head on the last T + 1 only
+    out = token_logprobs(logits[:, :-1], input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
     valid = attention_mask[:, prompt_length:].bool()  # (B, T)
     return tuple(torch.where(valid, x, 0.0) for x in out) if return_entropy else torch.where(valid, out, 0.0)
 
 
-def in_chunks(forward, size, input_ids, attention_mask):
-    """A no-grad forward over the rollout, size rows at a time: its B x L x V logits at once would dwarf training's."""
-    chunks = [forward(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
-    return torch.cat(chunks)
+def by_length(rows, attention_mask):
+    """The rows (n,) shortest first, so that each micro-batch holds similar lengths and cut_padding cuts it more."""
+    return rows[attention_mask[rows].sum(1).argsort(stable=True)]
+
+
+def cut_padding(batch, P):
+    """A micro-batch of (B, P + T), (B, T) and (B,) tensors without the columns none of its rows uses, and its new P:
+    the real tokens keep their position ids, so every forward gives them the same outputs."""
+    L = batch["attention_mask"].shape[1]
+    start, last = batch["attention_mask"].any(0).nonzero()[[0, -1], 0].tolist()  # the first and last used columns
+    return {k: v if v.dim() == 1 else v[:, start : last + 1] if v.shape[1] == L else v[:, : last + 1 - P]
+            for k, v in batch.items()}, P - start
+
+
+def in_chunks(forward, size, input_ids, attention_mask, P):
+    """A no-grad forward(ids, mask, P') -> (b, T') over the rollout in cut chunks of size rows, similar lengths
+    together (B x L x V logits at once would dwarf training's): (B, T), 0 past each chunk's T'."""
+    out = torch.zeros(input_ids.shape[0], input_ids.shape[1] - P, device=input_ids.device)  # (B, T)
+    for rows in by_length(torch.arange(len(input_ids), device=input_ids.device), attention_mask).split(size):
+        chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
+        out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
+    return out
 
 
 def head_outputs(model, input_ids, attention_mask):
@@ -408,16 +415,18 @@ def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_m
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
     plus the rules' weighted sum; also the rules' scores to log (B,) each, the texts and how many failed."""
     texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
-    last = P + attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+    last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     rm_scores = []  # K x (B,)
     for rm, own_tokenizer in reward_models:
         if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
-            values = in_chunks(lambda i, m: head_outputs(rm, i, m), args.micro_batch_size, input_ids, attention_mask)
+            values = in_chunks(lambda i, m, p: head_outputs(rm, i, m)[:, p:], args.micro_batch_size, input_ids,
+                               attention_mask, P)  # (B, T)
             rm_scores.append(values[torch.arange(len(texts)), last])
         else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
             ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
                                             input_ids.device)
-            rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
+            rm_scores.append(in_chunks(lambda i, m, p: head_outputs(rm, i, m)[:, -1:], args.micro_batch_size, ids, mask,
+                                       ids.shape[1] - 1)[:, 0])
     rules, why = {}, "not a finite number"  # {name: (B,) its scores, nan where it failed}
     for name, fn in reward_fns:
         scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows])
@@ -459,9 +468,8 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     hold_full_parameters(policy, hold=True)
     cache, attention_mask = DynamicCache(), prompt_mask
     positions = position_ids_from(prompt_mask)  # (B, P)
-    # logits_to_keep=1: the last position's logits alone, not the whole prompt's B x P x V
     logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1).logits[:, -1]
+                    use_cache=True, logits_to_keep=1).logits[:, -1]  # the last position's alone, not B x P x V
     next_position = positions[:, -1:] + 1  # (B, 1)
     if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
         return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
@@ -486,9 +494,8 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
 
 
 class ValueHead(torch.nn.Module):
-    """--shared_backbone: the critic as a scalar head `score` on the policy's trunk, a whole model fewer; the risk is
-    the value loss's gradient reaching the trunk the policy samples from. In training it reads the trunk's output of
-    the log-prob forward (a hook on the LM head's input); in the rollout it runs the trunk itself."""
+    """--shared_backbone: the critic as a head `score` on the policy's trunk, a model fewer (the risk: the value loss
+    reaches the trunk the policy samples from). Trained on the log-prob forward's trunk output (hooked at the head)."""
     _no_split_modules = []  # FSDP2: the head is one unit of its own (the policy's blocks are the policy's)
 
     def __init__(self, policy):
@@ -496,8 +503,7 @@ class ValueHead(torch.nn.Module):
         self.__dict__["policy"] = policy  # not registered: the trunk's weights belong to the policy and its optimiser
         self.score = torch.nn.Linear(policy.config.hidden_size, 1, bias=False, device=policy.device)
         torch.nn.init.zeros_(self.score.weight)  # V = 0 everywhere at the start
-        policy.get_output_embeddings().register_forward_hook(
-            lambda module, inputs, output: setattr(self, "trunk_output", inputs[0]))
+        policy.get_output_embeddings().register_forward_hook(lambda m, x, _: setattr(self, "trunk_output", x[0]))
 
     def forward(self, hidden=None, **inputs):
         """V at every position (B, L, 1), from the trunk's output of a forward already run, or of its own."""
@@ -519,8 +525,7 @@ def build_models(args, tokenizer, device):
     if any(own is not None and path == args.value_model_path
            for (_, own), path in zip(reward_models, args.reward_model_path)):
         raise SystemExit(f"the critic would start from the reward model '{args.value_model_path}', whose tokenizer "
-                         "differs from the policy's; pass --value_model_path with the policy or a classifier that "
-                         "uses the policy's tokenizer.")
+                         "differs from the policy's; pass --value_model_path with a model of the policy's tokenizer.")
     value_model = load_model(AutoModelForSequenceClassification, args.value_model_path, args, device, trained=True,
                              num_labels=1)
     value_model.config.pad_token_id = tokenizer.pad_token_id
@@ -529,7 +534,6 @@ def build_models(args, tokenizer, device):
 
 def validate(args):
     """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
-    require(args, ("rollout_batch_size",), "must be at least 1", lambda v: v >= 1)
     require(args, ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target",
                    "kl_horizon"), "must be positive", lambda v: v > 0)
     require(args, ("kl_coef", "vf_coef"), "must be zero or more", lambda v: v >= 0)
@@ -587,8 +591,7 @@ def main(args):
         responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
                                                           args.temperature, stop_ids, tokenizer.pad_token_id, uniforms,
                                                           args.decode)  # (B, T) each
-        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, response_mask], 1)
+        input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
             reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
@@ -602,11 +605,10 @@ def main(args):
             score = torch.where(has_eos | args.mask_truncated, score, score - args.missing_eos_penalty)
 
             # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
-            logprobs_ref = in_chunks(lambda i, m: response_logprobs(ref_policy, i, m, P, args.temperature),
-                                     args.micro_batch_size, input_ids, attention_mask) * response_mask  # (B, T)
-            values_old = in_chunks(lambda i, m: head_outputs(value_model, i, m), args.micro_batch_size, input_ids,
-                                   attention_mask)
-            values_old = values_old[:, P - 1 : -1] * response_mask  # (B, T): V(s_t) before token t
+            logprobs_ref = in_chunks(lambda i, m, p: response_logprobs(ref_policy, i, m, p, args.temperature),
+                                     args.micro_batch_size, input_ids, attention_mask, P) * response_mask  # (B, T)
+            values_old = in_chunks(lambda i, m, p: head_outputs(value_model, i, m)[:, p - 1 : -1],  # V(s_t) before t
+                                   args.micro_batch_size, input_ids, attention_mask, P) * response_mask  # (B, T)
             rewards, kl = per_token_rewards(score, logprobs_old, logprobs_ref, response_mask, state["kl_coef"])
             advantages, returns = gae_advantages(rewards, values_old, response_mask, args.gamma, args.lam)
             raw_advantages, advantages = advantages, masked_whiten(advantages, response_mask)
@@ -616,31 +618,29 @@ def main(args):
         rollout = gather_rows(dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
                                    logprobs_old=logprobs_old, advantages=advantages, values_old=values_old,
                                    returns=returns, train_mask=train_mask))
-        local_minibatch = args.minibatch_size // args.world_size
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
         adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
         for epoch in range(args.num_epochs):
             perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
-                mb_tokens = rollout["train_mask"][mb_idx].sum().item()  # valid tokens in the global minibatch
-                mine = mb_idx[rank * local_minibatch : (rank + 1) * local_minibatch]
+                mb_tokens = rollout["train_mask"][mb_idx].sum().item()  # in the global minibatch: the loss's divisor
+                mine = mb_idx.chunk(args.world_size)[rank]  # this process's share
                 if mb_tokens == 0:  # every response left out (--mask_truncated): no step, not even Adam's momentum
                     continue
-                for micro_start in range(0, local_minibatch, args.micro_batch_size):
-                    micro = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}
-                    mask = micro["train_mask"].float()  # (micro, T)
-                    logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], P,
-                                                          args.temperature, return_entropy=True)  # (micro, T) each
+                for micro_idx in by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):  # sorted
+                    micro, p = cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # cut: (micro, p + T')
+                    mask = micro["train_mask"].float()  # (micro, T')
+                    logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], p,
+                                                          args.temperature, return_entropy=True)  # (micro, T') each
                     if args.shared_backbone:  # the trunk's output of the forward just above: no second pass
-                        values = value_model(hidden=value_model.trunk_output).squeeze(-1).float()[:, P - 1 : -1]
+                        values = value_model(hidden=value_model.trunk_output).squeeze(-1).float()[:, :-1]
                     else:
-                        values = head_outputs(value_model, micro["input_ids"], micro["attention_mask"])[:, P - 1 : -1]
+                        values = head_outputs(value_model, micro["input_ids"], micro["attention_mask"])[:, p - 1 : -1]
                     pg_loss, ratio, pg_clipped = policy_loss(logprobs, micro["logprobs_old"], micro["advantages"],
                                                              args.clip_range, args.clip_range)
                     vf_loss, vf_clipped = value_loss(values, micro["values_old"], micro["returns"],
                                                      args.value_clip_range)
-                    # Token mean over the whole minibatch on all processes, so micro-batching changes nothing.
                     loss = ((pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy) * mask).sum() / mb_tokens
                     loss.backward()  # under FSDP2, also sums the gradients over the processes
                     add_token_stats(stats, mask, ratio, logprobs, micro["logprobs_old"], {
@@ -1250,8 +1250,9 @@ def check_common_args(args, responses_per_iteration):
     require(args, [f.name for f in fields(args) if f.type is float], "must be finite", lambda v: abs(v) < 1e308)
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
-    require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length",
-                   "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"),
+    require(args, ("rollout_batch_size", "total_episodes", "minibatch_size", "micro_batch_size", "num_epochs",
+                   "response_length", "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints",
+                   "max_bad_steps"),
             "must be at least 1", lambda v: v >= 1)
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
     require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
@@ -1327,8 +1328,7 @@ ALARMS = {
     "clip_fraction": "over --alarm_clipfrac of tokens clipped: lower the learning rate or --num_epochs.",
     "entropy_collapse": "entropy under --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, stop.",
     "value_divergence": "the value loss rose above its start: keep --normalize_reward, lower --value_learning_rate.",
-    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier.",
-}
+    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier."}
 
 # ---- checkpoints, stop signals and bad steps
 # What may differ between a run and its resumption (the number of processes too); every other argument must match.

@@ -19,11 +19,10 @@ Where this file departs from the paper, and why:
 
 How to read it: Args, the math, the forward passes, main (the loop as numbered steps); below it, shared plumbing.
 
-Commands:
-  python rloo.py                                    # the embedded default: reviews, the tiny reward model, CPU
-  python rloo.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> \\
-      --dataset <prompts.jsonl> --mixed_precision --learning_rate 1e-6   # one GPU, hub models
-  torchrun --nproc_per_node=8 rloo.py --args ...    # one process per GPU, every model sharded (FSDP2)
+Commands: `python rloo.py` (the embedded default: reviews, the tiny reward model, CPU); `python rloo.py
+--model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --mixed_precision
+--learning_rate 1e-6` (one GPU, hub models); `torchrun --nproc_per_node=8 rloo.py --args ...` (one process per GPU,
+every model sharded with FSDP2).
 """
 
 import functools
@@ -92,8 +91,7 @@ class Args:
     reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ()
-    """rule rewards, added to the minimum of the reward models: 'arithmetic' (1 if the response is the answer), 'gsm8k'
-    (1 if its last number is the answer's, after '####'), file.py:function; several: their weighted sum"""
+    """rule rewards, weighted, summed and added to the reward models' minimum: arithmetic, gsm8k, file.py:function"""
     reward_weights: tuple[float, ...] = ()
     """the weight of each --reward_fn, in order (none given: 1 each)"""
 
@@ -213,8 +211,7 @@ class Args:
 
     # precision and memory
     mixed_precision: bool = False
-    """bf16 compute over fp32 master weights and Adam states (FSDP2's mixed precision under torchrun, autocast in
-    one process); frozen models in bf16"""
+    """bf16 compute over fp32 weights and Adam states (FSDP2's policy, or autocast); frozen models in bf16"""
     gradient_checkpointing: bool = False
     """recompute each block's activations in the backward pass, not keeping them (less memory, 1/3 more compute)"""
     replicate_frozen: bool = False
@@ -222,8 +219,7 @@ class Args:
 
     # LoRA
     lora_r: int = 0
-    """LoRA rank: train low-rank adapters on the frozen base of each trained model (0: train every weight); the
-    reference is then the policy with its adapters off"""
+    """LoRA rank: adapters on each trained model's frozen base, the reference being the policy without (0: no LoRA)"""
     lora_alpha: float = 16.0
     """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
     lora_dropout: float = 0.0
@@ -400,18 +396,35 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
     """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
     0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
     an exp of it in a KL estimate or a ratio would turn the masked sum into inf * 0 = nan. Masked before any exp."""
-    positions = position_ids_from(attention_mask)
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-    logits = logits[:, prompt_length - 1 : -1]  # (B, T, V): position t predicts token t+1
-    out = token_logprobs(logits, input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
+                    logits_to_keep=input_ids.shape[1] - prompt_length + 1).logits  # the LM head on the last T + 1 only
+    out = token_logprobs(logits[:, :-1], input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
     valid = attention_mask[:, prompt_length:].bool()  # (B, T)
     return tuple(torch.where(valid, x, 0.0) for x in out) if return_entropy else torch.where(valid, out, 0.0)
 
 
-def in_chunks(forward, size, input_ids, attention_mask):
-    """A no-grad forward over the rollout, size rows at a time: its B x L x V logits at once would dwarf training's."""
-    chunks = [forward(input_ids[i : i + size], attention_mask[i : i + size]) for i in range(0, len(input_ids), size)]
-    return torch.cat(chunks)
+def by_length(rows, attention_mask):
+    """The rows (n,) shortest first, so that each micro-batch holds similar lengths and cut_padding cuts it more."""
+    return rows[attention_mask[rows].sum(1).argsort(stable=True)]
+
+
+def cut_padding(batch, P):
+    """A micro-batch of (B, P + T), (B, T) and (B,) tensors without the columns none of its rows uses, and its new P:
+    the real tokens keep their position ids, so every forward gives them the same outputs."""
+    L = batch["attention_mask"].shape[1]
+    start, last = batch["attention_mask"].any(0).nonzero()[[0, -1], 0].tolist()  # the first and last used columns
+    return {k: v if v.dim() == 1 else v[:, start : last + 1] if v.shape[1] == L else v[:, : last + 1 - P]
+            for k, v in batch.items()}, P - start
+
+
+def in_chunks(forward, size, input_ids, attention_mask, P):
+    """A no-grad forward(ids, mask, P') -> (b, T') over the rollout in cut chunks of size rows, similar lengths
+    together (B x L x V logits at once would dwarf training's): (B, T), 0 past each chunk's T'."""
+    out = torch.zeros(input_ids.shape[0], input_ids.shape[1] - P, device=input_ids.device)  # (B, T)
+    for rows in by_length(torch.arange(len(input_ids), device=input_ids.device), attention_mask).split(size):
+        chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
+        out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
+    return out
 
 
 def head_outputs(model, input_ids, attention_mask):
@@ -429,16 +442,18 @@ def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_m
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
     plus the rules' weighted sum; also the rules' scores to log (B,) each, the texts and how many failed."""
     texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
-    last = P + attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+    last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     rm_scores = []  # K x (B,)
     for rm, own_tokenizer in reward_models:
         if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
-            values = in_chunks(lambda i, m: head_outputs(rm, i, m), args.micro_batch_size, input_ids, attention_mask)
+            values = in_chunks(lambda i, m, p: head_outputs(rm, i, m)[:, p:], args.micro_batch_size, input_ids,
+                               attention_mask, P)  # (B, T)
             rm_scores.append(values[torch.arange(len(texts)), last])
         else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
             ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
                                             input_ids.device)
-            rm_scores.append(in_chunks(lambda i, m: head_outputs(rm, i, m)[:, -1], args.micro_batch_size, ids, mask))
+            rm_scores.append(in_chunks(lambda i, m, p: head_outputs(rm, i, m)[:, -1:], args.micro_batch_size, ids, mask,
+                                       ids.shape[1] - 1)[:, 0])
     rules, why = {}, "not a finite number"  # {name: (B,) its scores, nan where it failed}
     for name, fn in reward_fns:
         scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows])
@@ -480,9 +495,8 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     hold_full_parameters(policy, hold=True)
     cache, attention_mask = DynamicCache(), prompt_mask
     positions = position_ids_from(prompt_mask)  # (B, P)
-    # logits_to_keep=1: the last position's logits alone, not the whole prompt's B x P x V
     logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1).logits[:, -1]
+                    use_cache=True, logits_to_keep=1).logits[:, -1]  # the last position's alone, not B x P x V
     next_position = positions[:, -1:] + 1  # (B, 1)
     if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
         return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
@@ -517,7 +531,6 @@ def build_models(args, tokenizer, device):
 
 def validate(args):
     """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
-    require(args, ("rollout_batch_size",), "must be at least 1", lambda v: v >= 1)
     require(args, ("num_generations",), "must be at least 2 (the others are each one's baseline)", lambda v: v >= 2)
     require(args, ("learning_rate", "clip_range_low", "clip_range_high"), "must be positive", lambda v: v > 0)
     require(args, ("kl_coef",), "must be zero or more", lambda v: v >= 0)
@@ -573,8 +586,7 @@ def main(args):
         responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
                                                           args.temperature, stop_ids, tokenizer.pad_token_id, uniforms,
                                                           args.decode)  # (B, T) each
-        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, response_mask], 1)
+        input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
             reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
@@ -590,8 +602,8 @@ def main(args):
             # --- 4. the reference's log-probs, the KL-shaped reward, leave-one-out advantages, one per response ---
             rewards = score  # (B,)
             if ref_policy is not None:
-                logprobs_ref = in_chunks(lambda i, m: response_logprobs(ref_policy, i, m, P, args.temperature),
-                                         args.micro_batch_size, input_ids, attention_mask) * response_mask  # (B, T)
+                logprobs_ref = in_chunks(lambda i, m, p: response_logprobs(ref_policy, i, m, p, args.temperature),
+                                         args.micro_batch_size, input_ids, attention_mask, P) * response_mask  # (B, T)
                 shaped, seq_kl = kl_shaped_rewards(score, logprobs_old, logprobs_ref, response_mask, args.kl_coef)
                 rewards = score if args.kl_in_loss else shaped  # (B,)
             advantages = rloo_advantages(rewards, G)  # (B,)
@@ -607,7 +619,6 @@ def main(args):
         if ref_policy is not None:
             rollout["logprobs_ref"] = logprobs_ref
         rollout = gather_rows(rollout)
-        local_minibatch = args.minibatch_size // args.world_size
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
         adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
         for epoch in range(args.num_epochs):
@@ -617,14 +628,14 @@ def main(args):
                 mb_mask = rollout["train_mask"][mb_idx]
                 mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
                 mb_sequences = mb_mask.amax(1).sum().item()  # responses it trains on
-                mine = mb_idx[rank * local_minibatch : (rank + 1) * local_minibatch]
+                mine = mb_idx.chunk(args.world_size)[rank]  # this process's share
                 if mb_tokens == 0:  # every response left out (zero signal): no step, not even Adam's momentum
                     continue
-                for micro_start in range(0, local_minibatch, args.micro_batch_size):
-                    micro = {k: v[mine[micro_start : micro_start + args.micro_batch_size]] for k, v in rollout.items()}
-                    mask = micro["train_mask"].float()  # (micro, T)
-                    logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], P,
-                                                          args.temperature, return_entropy=True)  # (micro, T) each
+                for micro_idx in by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):  # sorted
+                    micro, p = cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # cut: (micro, p + T')
+                    mask = micro["train_mask"].float()  # (micro, T')
+                    logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], p,
+                                                          args.temperature, return_entropy=True)  # (micro, T') each
                     pg_loss, ratio, pg_clipped = surrogate(args.policy_loss, logprobs, micro["logprobs_old"],
                                                            micro["advantages"][:, None], mask, args.clip_range_low,
                                                            args.clip_range_high)
@@ -1233,8 +1244,9 @@ def check_common_args(args, responses_per_iteration):
     require(args, [f.name for f in fields(args) if f.type is float], "must be finite", lambda v: abs(v) < 1e308)
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
-    require(args, ("total_episodes", "minibatch_size", "micro_batch_size", "num_epochs", "response_length",
-                   "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints", "max_bad_steps"),
+    require(args, ("rollout_batch_size", "total_episodes", "minibatch_size", "micro_batch_size", "num_epochs",
+                   "response_length", "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints",
+                   "max_bad_steps"),
             "must be at least 1", lambda v: v >= 1)
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
     require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
@@ -1310,8 +1322,7 @@ ALARMS = {
     "clip_fraction": "over --alarm_clipfrac of tokens clipped: lower the learning rate or --num_epochs.",
     "entropy_collapse": "entropy under --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, stop.",
     "value_divergence": "the value loss rose above its start: keep --normalize_reward, lower --value_learning_rate.",
-    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier.",
-}
+    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier."}
 
 # ---- checkpoints, stop signals and bad steps
 # What may differ between a run and its resumption (the number of processes too); every other argument must match.

@@ -255,20 +255,6 @@ def left_padded_prompts(lengths, vocab, seed):
     return ppo.left_pad(prompts, PAD, "cpu")
 
 
-def test_rollout_forwards_in_chunks_equal_one_forward_over_the_batch():
-    """The reference's log-probs and a classifier's per-position values, 2 rows at a time over 5 left-padded rows (the
-    last chunk short), equal one forward over all 5."""
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(tiny_config()).eval()
-    critic = LlamaForSequenceClassification(tiny_config(num_labels=1)).eval()
-    input_ids, attention_mask = left_padded_prompts([3, 7, 5, 2, 6], 40, seed=1)
-    with torch.no_grad():
-        for forward in (lambda i, m: ppo.response_logprobs(policy, i, m, 2, 0.7),
-                        lambda i, m: ppo.head_outputs(critic, i, m)):
-            torch.testing.assert_close(ppo.in_chunks(forward, 2, input_ids, attention_mask),
-                                       forward(input_ids, attention_mask), atol=1e-6, rtol=1e-5)
-
-
 def test_sampled_logprobs_equal_teacher_forced():
     """logprobs_old recorded while sampling with a KV cache == one full forward over the finished sequences."""
     torch.manual_seed(0)
@@ -568,10 +554,10 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
     assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0 and policy.lm_head.weight.grad is None
     policy.zero_grad(), critic.zero_grad()
     # In training the head reads the trunk's output of the log-prob forward: the same values, one trunk pass for both
-    # heads.
+    # heads. That forward runs the LM head on the positions the response's tokens are predicted from alone (P - 1 on).
     logprobs = ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0)
     reused = critic(hidden=critic.trunk_output).squeeze(-1)
-    torch.testing.assert_close(reused, values, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reused, values[:, 3 - 1 :], atol=1e-5, rtol=1e-5)
     (-logprobs.sum() + reused.sum()).backward()
     assert policy.lm_head.weight.grad.abs().sum() > 0 and critic.score.weight.grad.abs().sum() > 0
     trunk_grad = policy.model.layers[0].mlp.up_proj.weight.grad.clone()
