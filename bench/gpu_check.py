@@ -10,6 +10,9 @@ is rewritten after every row, so a run cut short keeps what it measured):
   ppo          two PPO iterations at the 0.5B shape (random weights, bf16, 64 prompts x 128 tokens), old and new loop
   grpo-gsm8k   two GRPO iterations at the GSM8K recipe's shapes (0.5B shape, --mixed_precision, LoRA r 32, 64 prompts x
                5, 1,024 new tokens), old and new loop
+  real-tokens  bench/real_tokens.py's layouts of the training forward at the GSM8K recipe's lengths (the 0.5B shape,
+               random weights, bf16; 40 rows in micro-batches of 8): padded with the LM head over every position,
+               padded, sorted and cut (what the scripts do), the same with the fused head, packed into one row
   torchrun     each script under torchrun --nproc_per_node=1 (NCCL, FSDP2, --decode static) with --mixed_precision for
                three iterations saving a checkpoint each (DCP on CUDA), then resumed from the second: the resumed third
                iteration against the uninterrupted one
@@ -56,7 +59,7 @@ def sizes(device):
             recipe_mem=["--dtype", "bfloat16", "--models", "qwen0.5b-shape", "--batches", "320",
                         "--new-tokens", "1024", "--methods", "cuda-graph", "--repeats", "1"],
             shape=SHAPE, old="dynamic", new="cuda_graph", prompts=64, tokens=128, recipe_tokens=1024, lora_r=32,
-            generations=5, micro=8,
+            generations=5, micro=8, real_tokens=["--dtype", "bfloat16", "--gsm8k-rows", "40", "--repeats", "2"],
         )
     return dict(
         kernels=["-k", "check_range"],
@@ -65,7 +68,7 @@ def sizes(device):
         recipe_mem=["--models", "tiny", "--batches", "8", "--new-tokens", "16", "--threads", "1", "--methods", "static",
                     "--repeats", "1"],
         shape=SMALL, old="dynamic", new="static", prompts=4, tokens=8, recipe_tokens=16, lora_r=4, generations=2,
-        micro=4,
+        micro=4, real_tokens=["--gsm8k-rows", "10", "--length-scale", "0.05", "--repeats", "1"],
     )
 
 
@@ -217,6 +220,19 @@ def row_grpo_gsm8k(ctx, timeout):
     return old_and_new(ctx, timeout, "grpo.py", grpo_args(ctx["sizes"], random_models(ctx)[0]))
 
 
+def row_real_tokens(ctx, timeout):
+    """The training forward's layouts at the recipe's lengths; passes when the packed and fused layouts' log-probs
+    equal the padded ones (the bench checks them before timing) and every layout was timed."""
+    out = os.path.join(ctx["tmp"], "real_tokens.md")
+    code, output = call([sys.executable, os.path.join(HERE, "real_tokens.py"), "--part", "layouts", "--settings",
+                         "gsm8k", "--policy", random_models(ctx)[0], "--device", ctx["device"],
+                         *ctx["sizes"]["real_tokens"], "--out", out], timeout)
+    table = [line for line in open(out).read().splitlines() if line.startswith("|")] if os.path.exists(out) else []
+    summary = "sorted and cut, packed / padded with the full head: " + (
+        ", ".join(table[-1].strip("| ").split(" | ")[-2:]) if len(table) > 2 else "-")
+    return code == 0 and len(table) > 2, summary, table or tail(output)
+
+
 def row_torchrun(ctx, timeout):
     """Each script on the embedded models: three iterations under torchrun with --mixed_precision, a checkpoint each,
     then the third again from the second's checkpoint; compared: every logged number of the third iteration."""
@@ -249,7 +265,8 @@ def row_torchrun(ctx, timeout):
 # (name, row, the most seconds it may take). Expected on one H100 or H200, from the old loop's 25 ms per decode step
 # of the 0.5B shape: about 40, 110, 15, 75 (building the random models included), 150 and 90 s: 480 of the 530.
 ROWS = [("kernels", row_kernels, 90), ("generation", row_generation, 150), ("recipe-mem", row_recipe_memory, 40),
-        ("ppo", row_ppo, 120), ("grpo-gsm8k", row_grpo_gsm8k, 200), ("torchrun", row_torchrun, 150)]
+        ("ppo", row_ppo, 120), ("grpo-gsm8k", row_grpo_gsm8k, 200), ("real-tokens", row_real_tokens, 60),
+        ("torchrun", row_torchrun, 150)]
 
 
 # ---------------------------------------------------------------------------------------------- the report

@@ -1,7 +1,8 @@
 """Where the training and scoring forwards compute on nothing: for each forward of an iteration (the policy's
 training passes, the reference, PPO's critic, the reward model, generation's prefill), the positions it computes
 against the real tokens (prompt and response) it holds, and the positions whose logits no loss reads. The first step
-of computing on real tokens only: it measures the waste before any code changes.
+of computing on real tokens only: it measured the waste before any code changed, and says what the scripts compute
+now that each micro-batch is cut to the columns its rows use.
 
     python bench/padding.py --out bench/padding.md              # the three defaults and the long-tailed shape
     python bench/padding.py --policy runs/ppo --scripts ppo.py  # a trained policy (its responses are longer)
@@ -10,9 +11,13 @@ The defaults sample real rollouts with each script's own functions (its data ord
 its per-row uniforms, the same seed), from the embedded SFT policy or --policy. The long-tailed shape is GSM8K-like
 lengths drawn at random (prompts of 100 to 300 tokens, responses of 20 to 1,024, log-uniform; 64 prompts x 5, the
 README's GSM8K recipe), so no model is needed. Three layouts are compared for the training forwards:
-- today: every micro-batch padded to the rollout's widest prompt plus its longest response;
+- padded: every micro-batch padded to the rollout's widest prompt plus its longest response (the scripts before
+  the forwards were cut);
 - cut: each micro-batch (in the shuffled order of training) cut to its own widest prompt and longest response;
-- sorted and cut: the same after sorting the rows by length, so that a micro-batch holds similar lengths;
+- sorted and cut: the same after sorting the rows by length, so that a micro-batch holds similar lengths: what the
+  scripts now do for the rollout's no-grad forwards (the reference, the critic's values, the reward model);
+- now, training: each shuffled minibatch sorted by length, its micro-batches cut: what the training passes now do
+  (the minibatch is drawn at random, so only its own rows can be sorted);
 packing (the real tokens of several rows in one row) computes exactly the real tokens: 1.00 by definition.
 """
 import argparse
@@ -30,30 +35,33 @@ def micro_batches(order, size):
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def layouts(prompt_lens, response_lens, micro, seed=0):
+def layouts(prompt_lens, response_lens, micro, minibatch=None, seed=0):
     """Positions computed by a forward over the whole rollout in micro-batches: today, cut per micro-batch (shuffled
-    order), and sorted by length then cut."""
+    order), sorted by length then cut, and each shuffled minibatch sorted then cut per micro-batch."""
     B = len(prompt_lens)
     today = B * (max(prompt_lens) + max(response_lens))
     shuffled = torch.randperm(B, generator=torch.Generator().manual_seed(seed)).tolist()
     by_length = sorted(range(B), key=lambda i: prompt_lens[i] + response_lens[i])
+    within = [i for mb in micro_batches(shuffled, minibatch or B)
+              for i in sorted(mb, key=lambda i: prompt_lens[i] + response_lens[i])]
 
     def cut(order):
         return sum(len(mb) * (max(prompt_lens[i] for i in mb) + max(response_lens[i] for i in mb))
                    for mb in micro_batches(order, micro))
 
-    return today, cut(shuffled), cut(by_length)
+    return today, cut(shuffled), cut(by_length), cut(within)
 
 
-def measured(prompt_lens, response_lens, micro, group=1):
+def measured(prompt_lens, response_lens, micro, group=1, minibatch=None):
     """What one rollout's forwards compute, per real token (prompt and response): today, cut per micro-batch, sorted
     then cut; the padding's share today; the share of the LM head's (and critic's) positions whose output no loss
     reads, and the reward model's (it reads one per row); the prefill's positions per distinct prompt token (its
     padding, and a group's prompt encoded once per response). Rows hold consecutive groups of `group` responses."""
     real = sum(prompt_lens) + sum(response_lens)
-    today, cut, sorted_cut = layouts(prompt_lens, response_lens, micro)
+    today, cut, sorted_cut, training = layouts(prompt_lens, response_lens, micro, minibatch)
     prefill = len(prompt_lens) * max(prompt_lens)  # every row, left-padded to the widest prompt
     return dict(today=today / real, padding=1 - real / today, cut=cut / real, sorted_cut=sorted_cut / real,
+                training=training / real,
                 unread=1 - sum(response_lens) / today, unread_rm=1 - len(prompt_lens) / today,
                 prefill=prefill / (sum(prompt_lens) / group))
 
@@ -104,7 +112,8 @@ def main():
     rows = []
     for script in a.scripts:
         args, G, prompt_lens, response_lens = rollout_lengths(script, a.policy, a.rollouts)
-        each = [measured(p, r, args.micro_batch_size, G) for p, r in zip(prompt_lens, response_lens)]
+        each = [measured(p, r, args.micro_batch_size, G, args.minibatch_size)
+                for p, r in zip(prompt_lens, response_lens)]
         lengths = [x for r in response_lens for x in r]
         rows.append((f"`{script}` default{' (' + a.policy + ')' if a.policy else ''}, {a.rollouts} rollouts of "
                      f"{len(response_lens[0])}", f"{sum(lengths) / len(lengths):.1f} ({max(lengths)})",
@@ -112,15 +121,17 @@ def main():
                      script == "ppo.py", bool(args.reward_model_path)))
     p, r = long_tailed()
     rows.append(("GSM8K-like: prompts of 100 to 300 tokens, 64 x 5", f"{sum(r) / len(r):.0f} ({max(r)})",
-                 measured(p, r, 8, 5), False, False))
-    lines = ["| setting | response length, mean (max) | training-shaped forwards: positions per real token, today | "
-             "padding share, today | cut per micro-batch | sorted, then cut | policy, reference, critic: outputs no "
-             "loss reads | reward model: outputs no loss reads | prefill: positions per distinct prompt token |",
-             "|---|---|---|---|---|---|---|---|---|"]
+                 measured(p, r, 8, 5, 320), False, False))
+    lines = ["| setting | response length, mean (max) | training-shaped forwards: positions per real token, padded "
+             "(before the cut) | padding share, padded | cut per micro-batch | sorted, then cut (now: the no-grad "
+             "forwards) | now: training (each minibatch sorted, cut) | policy, reference, critic: outputs no loss "
+             "reads | reward model: outputs no loss reads | prefill: positions per distinct prompt token |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, length, m, critic, rm in rows:
         rm_cell = f"{m['unread_rm']:.0%}" if rm else "-"
         lines.append(f"| {name} | {length} | {m['today']:.2f} | {m['padding']:.0%} | {m['cut']:.2f} | "
-                     f"{m['sorted_cut']:.2f} | {m['unread']:.0%} | {rm_cell} | {m['prefill']:.2f} |")
+                     f"{m['sorted_cut']:.2f} | {m['training']:.2f} | {m['unread']:.0%} | {rm_cell} | "
+                     f"{m['prefill']:.2f} |")
     print("\n".join(lines))
     if a.out:
         with open(a.out, "w") as f:

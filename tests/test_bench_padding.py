@@ -19,6 +19,9 @@ def test_the_counts_of_a_small_rollout_by_hand():
     # sorted by length (3, 4, 6, 7: rows 2, 1, 3, 0): [2, 1] is 3 + 2 wide, [3, 0] is 4 + 5: 2 * 5 + 2 * 9 = 28
     assert m["sorted_cut"] == pytest.approx(28 / 20)
     assert 20 / 20 <= m["cut"] <= 36 / 20  # whatever the shuffle, between packing and today
+    assert m["training"] == m["sorted_cut"]  # one minibatch of all four (the default): sorted whole
+    # minibatches of two, in micro-batches of two: nothing to sort within, each micro-batch cut as drawn
+    assert padding.measured([2, 3, 1, 4], [5, 1, 2, 2], micro=2, group=2, minibatch=2)["training"] == m["cut"]
     # the logits read: one per response token (10 of 36); the reward model reads one per row (4 of 36)
     assert m["unread"] == pytest.approx(26 / 36) and m["unread_rm"] == pytest.approx(32 / 36)
     # the prefill: 4 rows x 4 columns for 10 / 2 = 5 distinct prompt tokens
@@ -42,4 +45,4 @@ def test_a_quick_run_prints_a_row_per_setting(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| `grpo.py`") or "GSM8K" in line]
     assert len(rows) == 2
     # GRPO's default: 32 prompts x 8, so its prefill computes each prompt's tokens at least 8 times
-    assert float(rows[0].split("|")[9]) >= 8
+    assert float(rows[0].split("|")[10]) >= 8

@@ -81,6 +81,16 @@ def test_the_fast_rows_run_on_the_cpu(tmp_path):
     assert "| tiny | 8 | 8 | static |" in report and "yes, yes" in report  # the static loop made the same tokens
 
 
+def test_the_real_tokens_row_runs_on_the_cpu(tmp_path):
+    """The layouts at the recipe's lengths scaled down: every layout timed, packing computing the real tokens alone."""
+    out = tmp_path / "report.md"
+    assert gpu_check.main(["--device", "cpu", "--rows", "real-tokens", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "| real-tokens | pass |" in report and "| GSM8K-like, 2 prompts x 5 (" in report
+    row = next(line for line in report.splitlines() if line.startswith("| GSM8K-like"))
+    assert row.split(" | ")[5].startswith("1.00, ")  # packed: one position per real token
+
+
 def test_the_targets_are_read_off_the_tables(tmp_path):
     """On a made-up CUDA table: the new loop's speed-ups against the issue's 10x / 5x / 10x, the eager path's tokens,
     and a PPO iteration's time against 0.6x of the old one's."""

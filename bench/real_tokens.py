@@ -1,0 +1,242 @@
+"""Computing on real tokens: what each layout of the training forward costs, and what the change did to each
+default's iteration time, on the CPU.
+
+    python bench/real_tokens.py --out bench/real_tokens.md                # both parts, about 10 minutes
+    python bench/real_tokens.py --part layouts                             # the first part alone
+    python bench/real_tokens.py --part scripts --before 741bf69 --repeats 3
+    python bench/real_tokens.py --part layouts --settings gsm8k --device cuda --policy <folder> --dtype bfloat16
+                                                                            # bench/gpu_check.py's real-tokens row
+
+Part 1, layouts: the policy's training forward and backward (log-probs of the response tokens, summed) over one epoch
+of a rollout, micro-batch by micro-batch as the scripts split it, in four layouts of the same rows:
+- padded, full head: every micro-batch padded to the rollout's widest prompt and longest response, the LM head over
+  every position (the scripts before this change);
+- padded: the same with the LM head on the response's positions only (`logits_to_keep`);
+- sorted and cut: each minibatch's rows sorted by length, each micro-batch cut to the columns its rows use (the
+  scripts now);
+- sorted and cut, fused head: the same with the LM head and the log-softmax fused
+  (`rlhf_kernels.linear_token_logprobs` on the trunk's output at the response's positions): the (tokens x
+  vocabulary) logits never exist;
+- packed: each micro-batch's real tokens in one row, positions restarting at every sequence, no attention mask, so
+  that transformers builds a block-diagonal causal mask from the positions (`sdpa` on the CPU computes it whole).
+The rows have the lengths of real rollouts of each default (bench/padding.py samples them as the scripts do) and of
+the long-tailed GSM8K-like shape (prompts of 100 to 300 tokens, responses of 20 to 1,024, one minibatch of 40 rows in
+micro-batches of 8) on a random Llama of 3.4M parameters with a 32k vocabulary. Reported: positions computed per real
+token and the median time over the repeats, the layouts alternating within each repeat.
+
+Part 2, scripts: each default run for a few iterations from a checkout of --before (the code before this change)
+and from this tree, alternating, with evaluation off; the median of `time/iteration` (the first iteration left out),
+and of its three phases. One thread per process (--threads), as bench/bench_trl.py does: two OpenMP threads on the
+shared 2-core machine swing by 8x from one second to the next.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from padding import ROOT, long_tailed, rollout_lengths  # noqa: E402
+
+import ppo  # noqa: E402  (ROOT is on sys.path through padding)
+
+LAYOUTS = ["padded, full head", "padded", "sorted and cut", "sorted and cut, fused head", "packed"]
+
+
+def rows_of(prompt_lens, response_lens, vocab, seed=0, device="cpu"):
+    """Random tokens in the scripts' layout: prompts left-padded, responses right-padded (B, P + T); and P."""
+    g = torch.Generator().manual_seed(seed)
+    P, T, B = max(prompt_lens), max(response_lens), len(prompt_lens)
+    input_ids, attention_mask = torch.ones(B, P + T, dtype=torch.long), torch.zeros(B, P + T, dtype=torch.long)
+    for b, (n, m) in enumerate(zip(prompt_lens, response_lens)):
+        input_ids[b, P - n : P + m] = torch.randint(2, vocab, (n + m,), generator=g)
+        attention_mask[b, P - n : P + m] = 1
+    return input_ids.to(device), attention_mask.to(device), P
+
+
+def full_head_logprobs(policy, input_ids, attention_mask, P):
+    """The log-prob forward before this change: the LM head over every position, the prompt's sliced off after."""
+    logits = policy(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=ppo.position_ids_from(attention_mask)).logits[:, P - 1 : -1]
+    return ppo.token_logprobs(logits, input_ids[:, P:]) * attention_mask[:, P:]
+
+
+def packed_logprobs(policy, input_ids, attention_mask, P):
+    """The rows' real tokens in one row (1, N), positions restarting at each sequence; the head on the positions
+    that predict a response token alone. Returns the log-probs (B, T), 0 past each response."""
+    real = attention_mask.bool()
+    at = (real.flatten().cumsum(0) - 1).view(real.shape)  # each real token's index in the packed row
+    valid = real[:, P:]  # (B, T)
+    keep = at[:, P - 1 : -1][valid]  # the packed positions whose logits predict a response token
+    logits = policy(input_ids=input_ids[real][None], position_ids=ppo.position_ids_from(attention_mask)[real][None],
+                    logits_to_keep=keep, use_cache=False).logits[0]  # (response tokens, V); no cache: packed
+    out = torch.zeros(valid.shape, device=input_ids.device)
+    out[valid] = ppo.token_logprobs(logits, input_ids[:, P:][valid])
+    return out
+
+
+def fused_head_logprobs(policy, input_ids, attention_mask, P):
+    """The trunk's output at the positions that predict a response token, through the fused head and log-softmax."""
+    from rlhf_kernels import linear_token_logprobs
+    hidden = policy.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=ppo.position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    valid = attention_mask[:, P:].bool()
+    return linear_token_logprobs(hidden[:, P - 1 : -1], policy.lm_head.weight, input_ids[:, P:], mask=valid)
+
+
+def epoch(layout, policy, input_ids, attention_mask, P, minibatch, micro, seed=0):
+    """One epoch of training forwards and backwards over the rollout in the layout; returns positions computed."""
+    perm = torch.randperm(len(input_ids), generator=torch.Generator().manual_seed(seed)).to(input_ids.device)
+    computed = 0
+    for mb in perm.split(minibatch):
+        parts = ppo.by_length(mb, attention_mask) if layout.startswith("sorted") else mb
+        for idx in parts.split(micro):
+            ids, mask, p = input_ids[idx], attention_mask[idx], P
+            if layout.startswith("sorted"):
+                cut, p = ppo.cut_padding(dict(input_ids=ids, attention_mask=mask), P)
+                ids, mask = cut["input_ids"], cut["attention_mask"]
+            if layout == "packed":
+                logprobs, computed = packed_logprobs(policy, ids, mask, p), computed + int(mask.sum())
+            elif layout == "sorted and cut, fused head":
+                logprobs, computed = fused_head_logprobs(policy, ids, mask, p), computed + ids.numel()
+            elif layout == "padded, full head":
+                logprobs, computed = full_head_logprobs(policy, ids, mask, p), computed + ids.numel()
+            else:
+                logprobs, computed = ppo.response_logprobs(policy, ids, mask, p, 1.0), computed + ids.numel()
+            logprobs.sum().backward()
+    policy.zero_grad(set_to_none=True)
+    return computed
+
+
+def check_layouts_agree(policy, input_ids, attention_mask, P, tolerance):
+    """A layout is only worth timing if it computes the same log-probs: packed and fused checked on each setting."""
+    with torch.no_grad():
+        b = ppo.response_logprobs(policy, input_ids[:8], attention_mask[:8], P, 1.0)
+        for other in (packed_logprobs, fused_head_logprobs):
+            a = other(policy, input_ids[:8], attention_mask[:8], P)
+            assert torch.allclose(a, b, atol=tolerance), (other.__name__, (a - b).abs().max())
+
+
+def layouts_part(a):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    settings = []
+    for script in [f"{x}.py" for x in ("ppo", "grpo", "rloo") if x in a.settings]:
+        args, G, prompt_lens, response_lens = rollout_lengths(script, None, 1)
+        policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        settings.append((f"`{script}` default, a rollout of {len(prompt_lens[0])}", policy, prompt_lens[0],
+                         response_lens[0], args.minibatch_size, args.micro_batch_size))
+    if "gsm8k" in a.settings:
+        p, r = ([max(1, round(x * a.length_scale)) for x in lens] for lens in long_tailed())
+        torch.manual_seed(0)
+        small = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1536, pad_token_id=1)
+        policy = AutoModelForCausalLM.from_pretrained(a.policy) if a.policy else AutoModelForCausalLM.from_config(small)
+        name = a.policy or "random Llama, 3.4M parameters, 32k vocabulary"
+        settings.append((f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})", policy, p[: a.gsm8k_rows],
+                         r[: a.gsm8k_rows], a.gsm8k_rows, 8))
+    lines = ["| setting | " + " | ".join(f"{x}: positions per real token, seconds" for x in LAYOUTS) +
+             " | sorted and cut / padded, full head | packed / padded, full head |", "|---|" + "---|" * 7]
+    for name, policy, prompt_lens, response_lens, minibatch, micro in settings:
+        policy = policy.to(a.device, getattr(torch, a.dtype)).train(False)
+        input_ids, attention_mask, P = rows_of(prompt_lens, response_lens, policy.config.vocab_size, device=a.device)
+        check_layouts_agree(policy, input_ids, attention_mask, P, 1e-4 if a.dtype == "float32" else 0.1)
+        real = int(attention_mask.sum())
+        times, computed = {x: [] for x in LAYOUTS}, {}
+        epoch("padded", policy, input_ids, attention_mask, P, minibatch, micro)  # warm-up
+        for repeat in range(a.repeats):
+            for layout in LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]:
+                synchronize(a.device)
+                t0 = time.perf_counter()
+                computed[layout] = epoch(layout, policy, input_ids, attention_mask, P, minibatch, micro)
+                synchronize(a.device)
+                times[layout].append(time.perf_counter() - t0)
+        median = {x: statistics.median(times[x]) for x in LAYOUTS}
+        cells = " | ".join(f"{computed[x] / real:.2f}, {median[x]:.3f} s" for x in LAYOUTS)
+        base = median["padded, full head"]
+        line = f"| {name} | {cells} | **{median['sorted and cut'] / base:.2f}x** | {median['packed'] / base:.2f}x |"
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def synchronize(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_script(tree, script, episodes, out, threads):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONPATH=tree)
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run([sys.executable, os.path.join(tree, script), "--total_episodes", str(episodes), "--eval_every", "0",
+                    "--output_dir", out], env=env, check=True, capture_output=True, cwd=tree)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f][1:]  # the first iteration warms up
+    return {k: [r[f"time/{k}"] for r in rows] for k in ("iteration", "generate", "score", "optimize")}
+
+
+def scripts_part(before, repeats, iterations, threads):
+    episodes = {"ppo.py": 64, "grpo.py": 256, "rloo.py": 64}
+    work = tempfile.mkdtemp()
+    old = os.path.join(work, "before")
+    subprocess.run(["git", "worktree", "add", "--detach", old, before], cwd=ROOT, check=True, capture_output=True)
+    lines = ["| default | iteration, before | iteration, now | now / before | generate | score | optimise |",
+             "|---|---|---|---|---|---|---|"]
+    try:
+        for script, per_iteration in episodes.items():
+            times = {"before": {}, "now": {}}
+            for repeat in range(repeats):
+                for side in ("before", "now") if repeat % 2 == 0 else ("now", "before"):
+                    got = run_script(old if side == "before" else ROOT, script, per_iteration * (iterations + 1),
+                                     os.path.join(work, "runs", side), threads)
+                    for k, v in got.items():
+                        times[side].setdefault(k, []).extend(v)
+            med = {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()}
+            ratio = {k: med["now"][k] / med["before"][k] for k in med["now"]}
+            line = (f"| `{script}` | {med['before']['iteration']:.3f} s | {med['now']['iteration']:.3f} s | "
+                    f"**{ratio['iteration']:.2f}x** | {ratio['generate']:.2f}x | {ratio['score']:.2f}x | "
+                    f"{ratio['optimize']:.2f}x |")
+            print(line, flush=True)
+            lines.append(line)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", old], cwd=ROOT, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=["layouts", "scripts", "both"], default="both")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--before", default="741bf69", help="the commit before the forwards were cut")
+    parser.add_argument("--iterations", type=int, default=8, help="iterations timed per script run")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--settings", default="ppo,grpo,rloo,gsm8k", help="layouts: the defaults' and GSM8K-like rows")
+    parser.add_argument("--gsm8k-rows", type=int, default=40, help="rows of the GSM8K-like setting (groups of 5)")
+    parser.add_argument("--length-scale", type=float, default=1.0, help="GSM8K-like lengths times this (dry runs)")
+    parser.add_argument("--policy", default=None, help="the GSM8K-like setting's model (default: a random small Llama)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=None)
+    a = parser.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    text = [__doc__.split("\n\n")[0], "", f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {a.threads} "
+            f"thread(s), {a.repeats} repeats, {a.device}, `python bench/real_tokens.py {' '.join(sys.argv[1:])}`.", ""]
+    if a.part in ("layouts", "both"):
+        text += ["Part 1: the policy's training forward and backward over one epoch, per layout.", ""]
+        text += layouts_part(a) + [""]
+    if a.part in ("scripts", "both"):
+        text += [f"Part 2: each default's time per iteration, {a.before} against this tree, alternating.", ""]
+        text += scripts_part(a.before, a.repeats, a.iterations, a.threads) + [""]
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""bench/real_tokens.py: the positions each layout computes against a hand count, and its packed and fused-head
+layouts computing the log-probs of the padded one (the bench times them only because they do)."""
+import os
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import real_tokens  # noqa: E402
+
+PROMPTS, RESPONSES = [2, 3, 1, 2], [1, 3, 2, 2]  # 8 + 8 = 16 real tokens in rows 3 + 3 wide
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=1)).eval()
+
+
+def test_the_positions_of_each_layout_by_hand(policy):
+    input_ids, attention_mask, P = real_tokens.rows_of(PROMPTS, RESPONSES, 40)
+    assert P == 3 and attention_mask.sum(1).tolist() == [3, 6, 3, 4]
+    # one micro-batch of all four rows: padded and cut alike are 4 x 6 wide; packed computes the 16 real tokens
+    counts = {x: real_tokens.epoch(x, policy, input_ids, attention_mask, P, 4, 4) for x in real_tokens.LAYOUTS}
+    assert counts == {"padded, full head": 24, "padded": 24, "sorted and cut": 24, "sorted and cut, fused head": 24,
+                      "packed": 16}
+    # micro-batches of one row: a cut row is its own tokens alone, 16 in all
+    counts = {x: real_tokens.epoch(x, policy, input_ids, attention_mask, P, 4, 1) for x in real_tokens.LAYOUTS}
+    assert counts == {"padded, full head": 24, "padded": 24, "sorted and cut": 16, "sorted and cut, fused head": 16,
+                      "packed": 16}
+    # sorted, micro-batches of two: rows of 3, 3 tokens (0, 2: prompts 2 and 1, responses 1 and 2: 2 + 2 wide) and
+    # 4, 6 (3, 1: prompts 2 and 3, responses 2 and 3: 3 + 3 wide): 2 x 4 + 2 x 6 = 20
+    assert real_tokens.epoch("sorted and cut", policy, input_ids, attention_mask, P, 4, 2) == 20
+
+
+def test_packed_and_fused_log_probs_equal_the_padded_ones(policy):
+    input_ids, attention_mask, P = real_tokens.rows_of(PROMPTS, RESPONSES, 40, seed=3)
+    with torch.no_grad():
+        padded = real_tokens.full_head_logprobs(policy, input_ids, attention_mask, P)
+        for other in (real_tokens.packed_logprobs, real_tokens.fused_head_logprobs):
+            got = other(policy, input_ids, attention_mask, P)
+            assert (got[attention_mask[:, P:] == 0] == 0).all()
+            torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
