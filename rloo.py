@@ -91,7 +91,7 @@ class Args:
     reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ()
-    """rule rewards, weighted, summed and added to the reward models' minimum: arithmetic, gsm8k, file.py:function"""
+    """rules, weighted, added to the reward models' minimum: arithmetic (exact answer), gsm8k (last number), f.py:fn"""
     reward_weights: tuple[float, ...] = ()
     """the weight of each --reward_fn, in order (none given: 1 each)"""
 

@@ -21,7 +21,7 @@ of a rollout, micro-batch by micro-batch as the scripts split it, in four layout
   that transformers builds a block-diagonal causal mask from the positions (`sdpa` on the CPU computes it whole).
 The rows have the lengths of real rollouts of each default (bench/padding.py samples them as the scripts do) and of
 the long-tailed GSM8K-like shape (prompts of 100 to 300 tokens, responses of 20 to 1,024, one minibatch of 40 rows in
-micro-batches of 8) on a random Llama of 3.4M parameters with a 32k vocabulary. Reported: positions computed per real
+micro-batches of 8) on a random Llama of 4.2M parameters with a 32k vocabulary. Reported: positions computed per real
 token and the median time over the repeats, the layouts alternating within each repeat.
 
 Part 2, scripts: each default run for a few iterations from a checkout of --before (the code before this change)
@@ -137,7 +137,7 @@ def layouts_part(a):
         small = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1536, pad_token_id=1)
         policy = AutoModelForCausalLM.from_pretrained(a.policy) if a.policy else AutoModelForCausalLM.from_config(small)
-        name = a.policy or "random Llama, 3.4M parameters, 32k vocabulary"
+        name = a.policy or "random Llama, 4.2M parameters, 32k vocabulary"
         settings.append((f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})", policy, p[: a.gsm8k_rows],
                          r[: a.gsm8k_rows], a.gsm8k_rows, 8))
     lines = ["| setting | " + " | ".join(f"{x}: positions per real token, seconds" for x in LAYOUTS) +
