@@ -472,10 +472,12 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     cuda_graph run the same steps over buffers of fixed shape (static_decode, below the banner)."""
     hold_full_parameters(policy, hold=True)
     cache, attention_mask = DynamicCache(), prompt_mask
-    positions = position_ids_from(prompt_mask)  # (B, P)
-    logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1).logits[:, -1]  # the last position's alone, not B x P x V
-    next_position = positions[:, -1:] + 1  # (B, 1)
+    unique, copies = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
+    ids, mask = unique.tensor_split([prompt_ids.shape[1]], 1)  # (U, P) each: the U prompts unlike the row before
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), cache=cache,
+                    use_cache=True, logits_to_keep=1).logits[copies, -1]  # the last position's alone: (B, V)
+    cache.reorder_cache(copies)  # a group's prompt encoded once, its keys and values repeated for its rows: (B, ...)
+    next_position = position_ids_from(prompt_mask)[:, -1:] + 1  # (B, 1)
     if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
         return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
                              uniforms, decode)

@@ -313,8 +313,7 @@ def gae_advantages(rewards, values, response_mask, gamma, lam):
     deltas = rewards + gamma * next_values - values  # (B, T)
     advantages, last_gae = torch.zeros_like(rewards), 0.0
     for t in reversed(range(rewards.shape[1])):
-        advantages[:, t] = last_gae = deltas[:, t] + gamma * lam * last_gae
-    advantages = advantages * response_mask
+        advantages[:, t] = last_gae = deltas[:, t] + gamma * lam * last_gae  # 0 past the end, as every delta is
     return advantages, advantages + values
 
 
@@ -467,10 +466,12 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     cuda_graph run the same steps over buffers of fixed shape (static_decode, below the banner)."""
     hold_full_parameters(policy, hold=True)
     cache, attention_mask = DynamicCache(), prompt_mask
-    positions = position_ids_from(prompt_mask)  # (B, P)
-    logits = policy(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1).logits[:, -1]  # the last position's alone, not B x P x V
-    next_position = positions[:, -1:] + 1  # (B, 1)
+    unique, copies = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
+    ids, mask = unique.tensor_split([prompt_ids.shape[1]], 1)  # (U, P) each: the U prompts unlike the row before
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), cache=cache,
+                    use_cache=True, logits_to_keep=1).logits[copies, -1]  # the last position's alone: (B, V)
+    cache.reorder_cache(copies)  # a group's prompt encoded once, its keys and values repeated for its rows: (B, ...)
+    next_position = position_ids_from(prompt_mask)[:, -1:] + 1  # (B, 1)
     if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
         return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
                              uniforms, decode)
@@ -665,8 +666,7 @@ def main(args):
                       (t0, t_generate, t_score, t_optimize), all_models, optimizers, responses_per_iteration, args)
         # <<< shared: dashboard
         seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
-        var_returns = masked_var(returns, response_mask).item()
-        var_residual = masked_var(returns - values_old, response_mask).item()  # what the values leave unexplained
+        var_residual, var_returns = (masked_var(x, response_mask).item() for x in (returns - values_old, returns))
         m.update({"objective/score_normalized": global_mean(score), "objective/kl": global_mean(seq_kl),
                   "objective/kl_coef": state["kl_coef"],
                   "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),

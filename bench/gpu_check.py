@@ -13,6 +13,8 @@ is rewritten after every row, so a run cut short keeps what it measured):
   real-tokens  bench/real_tokens.py's layouts of the training forward at the GSM8K recipe's lengths (the 0.5B shape,
                random weights, bf16; 40 rows in micro-batches of 8): padded with the LM head over every position,
                padded, sorted and cut (what the scripts do), the same with the fused head, packed into one row
+  prefill      bench/real_tokens.py's prefill part at the same lengths (8 prompts x 5, 128 new tokens, the CUDA-graph
+               loop): generate with every row's prompt encoded against each group's encoded once
   torchrun     each script under torchrun --nproc_per_node=1 (NCCL, FSDP2, --decode static) with --mixed_precision for
                three iterations saving a checkpoint each (DCP on CUDA), then resumed from the second: the resumed third
                iteration against the uninterrupted one
@@ -60,6 +62,8 @@ def sizes(device):
                         "--new-tokens", "1024", "--methods", "cuda-graph", "--repeats", "1"],
             shape=SHAPE, old="dynamic", new="cuda_graph", prompts=64, tokens=128, recipe_tokens=1024, lora_r=32,
             generations=5, micro=8, real_tokens=["--dtype", "bfloat16", "--gsm8k-rows", "40", "--repeats", "2"],
+            prefill=["--dtype", "bfloat16", "--gsm8k-rows", "40", "--repeats", "2", "--new-tokens", "128", "--decode",
+                     "cuda_graph"],
         )
     return dict(
         kernels=["-k", "check_range"],
@@ -69,6 +73,8 @@ def sizes(device):
                     "--repeats", "1"],
         shape=SMALL, old="dynamic", new="static", prompts=4, tokens=8, recipe_tokens=16, lora_r=4, generations=2,
         micro=4, real_tokens=["--gsm8k-rows", "10", "--length-scale", "0.05", "--repeats", "1"],
+        prefill=["--gsm8k-rows", "10", "--length-scale", "0.05", "--repeats", "1", "--new-tokens", "8", "--decode",
+                 "static"],
     )
 
 
@@ -220,16 +226,32 @@ def row_grpo_gsm8k(ctx, timeout):
     return old_and_new(ctx, timeout, "grpo.py", grpo_args(ctx["sizes"], random_models(ctx)[0]))
 
 
+def real_tokens_part(ctx, timeout, part):
+    """A part of bench/real_tokens.py at the recipe's lengths on the random 0.5B-shape policy: (return code, the
+    table's lines, the output)."""
+    out = os.path.join(ctx["tmp"], f"real_tokens_{part}.md")
+    code, output = call([sys.executable, os.path.join(HERE, "real_tokens.py"), "--part", part, "--settings", "gsm8k",
+                         "--policy", random_models(ctx)[0], "--device", ctx["device"],
+                         *ctx["sizes"]["real_tokens" if part == "layouts" else part], "--out", out], timeout)
+    table = [line for line in open(out).read().splitlines() if line.startswith("|")] if os.path.exists(out) else []
+    return code, table, output
+
+
 def row_real_tokens(ctx, timeout):
     """The training forward's layouts at the recipe's lengths; passes when the packed and fused layouts' log-probs
     equal the padded ones (the bench checks them before timing) and every layout was timed."""
-    out = os.path.join(ctx["tmp"], "real_tokens.md")
-    code, output = call([sys.executable, os.path.join(HERE, "real_tokens.py"), "--part", "layouts", "--settings",
-                         "gsm8k", "--policy", random_models(ctx)[0], "--device", ctx["device"],
-                         *ctx["sizes"]["real_tokens"], "--out", out], timeout)
-    table = [line for line in open(out).read().splitlines() if line.startswith("|")] if os.path.exists(out) else []
+    code, table, output = real_tokens_part(ctx, timeout, "layouts")
     summary = "sorted and cut, packed / padded with the full head: " + (
         ", ".join(table[-1].strip("| ").split(" | ")[-2:]) if len(table) > 2 else "-")
+    return code == 0 and len(table) > 2, summary, table or tail(output)
+
+
+def row_prefill(ctx, timeout):
+    """generate at the recipe's lengths, each group's prompt encoded once against every row's; passes when both were
+    timed (whether they sampled the same tokens is reported: in bf16 a batch of other size may round otherwise)."""
+    code, table, output = real_tokens_part(ctx, timeout, "prefill")
+    cells = table[-1].strip("| ").split(" | ") if len(table) > 2 else []
+    summary = f"once / every row: prefill {cells[4]}, generate {cells[7]}; same tokens: {cells[8]}" if cells else "-"
     return code == 0 and len(table) > 2, summary, table or tail(output)
 
 
@@ -263,10 +285,11 @@ def row_torchrun(ctx, timeout):
 
 
 # (name, row, the most seconds it may take). Expected on one H100 or H200, from the old loop's 25 ms per decode step
-# of the 0.5B shape: about 40, 110, 15, 75 (building the random models included), 150 and 90 s: 480 of the 530.
+# of the 0.5B shape: about 40, 110, 15, 75 (building the random models included), 150, 30, 20 and 90 s: 530 of the
+# 530, so that a slow row leaves torchrun out rather than the rest.
 ROWS = [("kernels", row_kernels, 90), ("generation", row_generation, 150), ("recipe-mem", row_recipe_memory, 40),
         ("ppo", row_ppo, 120), ("grpo-gsm8k", row_grpo_gsm8k, 200), ("real-tokens", row_real_tokens, 60),
-        ("torchrun", row_torchrun, 150)]
+        ("prefill", row_prefill, 30), ("torchrun", row_torchrun, 150)]
 
 
 # ---------------------------------------------------------------------------------------------- the report

@@ -1,11 +1,12 @@
-"""Computing on real tokens: what each layout of the training forward costs, and what the change did to each
-default's iteration time, on the CPU.
+"""Computing on real tokens: what each layout of the training forward costs, what the change did to each
+default's iteration time, and what encoding a group's prompt once saves in generation, on the CPU.
 
-    python bench/real_tokens.py --out bench/real_tokens.md                # both parts, about 10 minutes
+    python bench/real_tokens.py --out bench/real_tokens.md                # all three parts, about 12 minutes
     python bench/real_tokens.py --part layouts                             # the first part alone
     python bench/real_tokens.py --part scripts --before 741bf69 --repeats 3
     python bench/real_tokens.py --part layouts --settings gsm8k --device cuda --policy <folder> --dtype bfloat16
                                                                             # bench/gpu_check.py's real-tokens row
+    python bench/real_tokens.py --part prefill --settings grpo,rloo,gsm8k     # the third part alone
 
 Part 1, layouts: the policy's training forward and backward (log-probs of the response tokens, summed) over one epoch
 of a rollout, micro-batch by micro-batch as the scripts split it, in four layouts of the same rows:
@@ -28,8 +29,16 @@ Part 2, scripts: each default run for a few iterations from a checkout of --befo
 and from this tree, alternating, with evaluation off; the median of `time/iteration` (the first iteration left out),
 and of its three phases. One thread per process (--threads), as bench/bench_trl.py does: two OpenMP threads on the
 shared 2-core machine swing by 8x from one second to the next.
+
+Part 3, prefill: generate on a rollout of groups (each prompt repeated for its group, as grpo.py and rloo.py sample),
+every row's prompt encoded (generate before the sharing: the grouping it finds replaced by "no two rows alike") and
+each group's prompt encoded once, its keys and values repeated, alternating. Timed: the prefill with the first token
+(max_new_tokens 1) and the whole generate, at the defaults' prompt lengths and group sizes (the embedded policy) and
+at the GSM8K-like shape (8 prompts x 5, responses up to the longest drawn or --new-tokens; the random Llama never
+stops early), with --decode's loop.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import torch
 
@@ -124,7 +134,7 @@ def check_layouts_agree(policy, input_ids, attention_mask, P, tolerance):
 
 
 def layouts_part(a):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
     settings = []
     for script in [f"{x}.py" for x in ("ppo", "grpo", "rloo") if x in a.settings]:
         args, G, prompt_lens, response_lens = rollout_lengths(script, None, 1)
@@ -133,11 +143,7 @@ def layouts_part(a):
                          response_lens[0], args.minibatch_size, args.micro_batch_size))
     if "gsm8k" in a.settings:
         p, r = ([max(1, round(x * a.length_scale)) for x in lens] for lens in long_tailed())
-        torch.manual_seed(0)
-        small = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1536, pad_token_id=1)
-        policy = AutoModelForCausalLM.from_pretrained(a.policy) if a.policy else AutoModelForCausalLM.from_config(small)
-        name = a.policy or "random Llama, 4.2M parameters, 32k vocabulary"
+        policy, name = gsm8k_policy(a)
         settings.append((f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})", policy, p[: a.gsm8k_rows],
                          r[: a.gsm8k_rows], a.gsm8k_rows, 8))
     lines = ["| setting | " + " | ".join(f"{x}: positions per real token, seconds" for x in LAYOUTS) +
@@ -163,6 +169,70 @@ def layouts_part(a):
         print(line, flush=True)
         lines.append(line)
     return lines
+
+
+def every_row_alone(rows, dim, return_inverse):
+    """torch.unique_consecutive as generate calls it, finding no two rows alike: every row's prompt prefilled."""
+    return rows, torch.arange(len(rows), device=rows.device)
+
+
+def prefill_part(a):
+    from transformers import AutoModelForCausalLM
+    settings = []
+    for script in [f"{x}.py" for x in ("grpo", "rloo") if x in a.settings]:
+        args, G, prompt_lens, _ = rollout_lengths(script, None, 1)
+        policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        settings.append((f"`{script}` default, {len(prompt_lens[0]) // G} prompts x {G}", policy, prompt_lens[0],
+                         args.response_length, G))
+    if "gsm8k" in a.settings:
+        p, r = ([max(1, round(x * a.length_scale)) for x in lens] for lens in long_tailed())
+        policy, name = gsm8k_policy(a)
+        settings.append((f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})", policy, p[: a.gsm8k_rows],
+                         a.new_tokens or max(r[: a.gsm8k_rows]), 5))
+    lines = ["| setting | prompt positions prefilled, every row / once per group | prefill, every row | prefill, once "
+             "| once / every row | generate, every row | generate, once | once / every row | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, policy, prompt_lens, T, G in settings:
+        policy = policy.to(a.device, getattr(torch, a.dtype)).train(False)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(2, policy.config.vocab_size, (n,), generator=g).tolist() for n in prompt_lens[::G]]
+        pad = policy.config.pad_token_id or 0
+        ids, mask = ppo.left_pad([x for x in prompts for _ in range(G)], pad, a.device)
+        uniforms, stop = torch.rand(len(ids), T, generator=g).to(a.device), torch.tensor([0], device=a.device)
+
+        def sample(side, steps):
+            with mock.patch.object(torch, "unique_consecutive", every_row_alone) if side == "every row" else \
+                    contextlib.nullcontext():
+                return ppo.generate(policy, ids, mask, steps, 1.0, stop, pad, uniforms[:, :steps], a.decode)
+
+        times = {(side, steps): [] for side in ("every row", "once") for steps in (1, T)}
+        warm = {k: sample(*k)[0] for k in times}  # CUDA graphs captured, kernels compiled
+        same = torch.equal(warm["every row", T], warm["once", T])
+        for repeat in range(a.repeats):
+            for side, steps in list(times) if repeat % 2 == 0 else list(times)[::-1]:
+                synchronize(a.device)
+                t0 = time.perf_counter()
+                sample(side, steps)
+                synchronize(a.device)
+                times[side, steps].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        line = (f"| {name} | {int(mask.sum())} / {int(mask[::G].sum())} | {med['every row', 1]:.3f} s | "
+                f"{med['once', 1]:.3f} s | {med['once', 1] / med['every row', 1]:.2f}x | {med['every row', T]:.3f} s | "
+                f"{med['once', T]:.3f} s | **{med['once', T] / med['every row', T]:.2f}x** | {'yes' if same else 'no'} |")
+        print(line, flush=True)
+        lines.append(line)
+    return lines
+
+
+def gsm8k_policy(a):
+    """The GSM8K-like setting's model: --policy, or a random Llama of 4.2M parameters with a 32k vocabulary."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    small = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1536, pad_token_id=1)
+    if a.policy:
+        return AutoModelForCausalLM.from_pretrained(a.policy), a.policy
+    return AutoModelForCausalLM.from_config(small), "random Llama, 4.2M parameters, 32k vocabulary"
 
 
 def synchronize(device):
@@ -211,7 +281,7 @@ def scripts_part(before, repeats, iterations, threads):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["layouts", "scripts", "both"], default="both")
+    parser.add_argument("--part", choices=["layouts", "scripts", "prefill", "all"], default="all")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--before", default="741bf69", help="the commit before the forwards were cut")
     parser.add_argument("--iterations", type=int, default=8, help="iterations timed per script run")
@@ -222,17 +292,22 @@ def main(argv=None):
     parser.add_argument("--policy", default=None, help="the GSM8K-like setting's model (default: a random small Llama)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--new-tokens", type=int, default=None, help="prefill: the GSM8K-like responses' length")
+    parser.add_argument("--decode", default="dynamic", choices=["dynamic", "static", "cuda_graph"], help="prefill")
     parser.add_argument("--out", default=None)
     a = parser.parse_args(argv)
     torch.set_num_threads(a.threads)
     text = [__doc__.split("\n\n")[0], "", f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {a.threads} "
             f"thread(s), {a.repeats} repeats, {a.device}, `python bench/real_tokens.py {' '.join(sys.argv[1:])}`.", ""]
-    if a.part in ("layouts", "both"):
+    if a.part in ("layouts", "all"):
         text += ["Part 1: the policy's training forward and backward over one epoch, per layout.", ""]
         text += layouts_part(a) + [""]
-    if a.part in ("scripts", "both"):
+    if a.part in ("scripts", "all"):
         text += [f"Part 2: each default's time per iteration, {a.before} against this tree, alternating.", ""]
         text += scripts_part(a.before, a.repeats, a.iterations, a.threads) + [""]
+    if a.part in ("prefill", "all"):
+        text += ["Part 3: generate on a rollout of groups, every row's prompt prefilled against each group's once.", ""]
+        text += prefill_part(a) + [""]
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(text))

@@ -72,3 +72,30 @@ def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_s
                     assert len(set(expected[2].sum(1).tolist())) > 2
         widths = [decoder.width for key, decoder in ppo.STATIC_DECODERS.items() if key[0] is policy]
         assert widths == [64 if max(lengths) < 54 else 128]
+
+
+def assert_group_prompts_prefilled_once(policy, pad_token_id, stop_ids, vocab_size, atol, decode="dynamic"):
+    """grpo.py's and rloo.py's rollouts repeat each prompt for its group; generate encodes each run of equal rows once
+    and repeats its keys and values. Against each row sampled alone (prefilled by itself, no padding: what generate
+    did before the sharing), every row samples the same tokens, and their log-probs agree within atol. Groups of 3,
+    2, 1 and 2 rows; the last repeats the first group's prompt, but not next to it, so it is encoded again: the policy
+    is called on 4 rows for the prefill. Uniforms of 0 make rows stop at different steps."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    prompt_ids, prompt_mask = ppo.left_pad([prompts[i] for i in (0, 0, 0, 1, 1, 2, 0, 0)], pad_token_id, "cpu")
+    uniforms = torch.rand(8, 10, generator=g)
+    uniforms[0, 2] = uniforms[4, 5] = uniforms[6, 0] = 0.0
+    batches = []
+    hook = policy.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].shape), with_kwargs=True)
+    together = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, stop_ids, pad_token_id, uniforms, decode)
+    hook.remove()
+    assert batches[0] == (4, 9)  # the prefill: one row per run of equal prompts
+    assert all(shape[0] == 8 for shape in batches[1:])  # each decode step: every row
+    assert len(set(together[2].sum(1).tolist())) > 2  # rows stop at different steps
+    for b in range(8):
+        width = int(prompt_mask[b].sum())
+        alone = ppo.generate(policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], 10, 0.7,
+                             stop_ids, pad_token_id, uniforms[b : b + 1], decode)
+        n = alone[0].shape[1]
+        assert torch.equal(alone[0][0], together[0][b, :n]) and (together[2][b, n:] == 0).all()
+        torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=atol, rtol=0)

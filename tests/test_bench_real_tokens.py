@@ -45,3 +45,21 @@ def test_packed_and_fused_log_probs_equal_the_padded_ones(policy):
             got = other(policy, input_ids, attention_mask, P)
             assert (got[attention_mask[:, P:] == 0] == 0).all()
             torch.testing.assert_close(got, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_the_prefill_parts_before_side_encodes_every_row(policy):
+    """The part's "every row" side stands for generate before the sharing: with the grouping replaced, the prefill
+    runs on all 6 rows of 2 groups of 3 (not 2), and both sides sample the same tokens with the same log-probs."""
+    from unittest import mock
+    prompt_ids, prompt_mask = real_tokens.ppo.left_pad([[5, 6, 7]] * 3 + [[8, 9]] * 3, 1, "cpu")
+    uniforms, stop = torch.rand(6, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0])
+    batches = []
+    hook = policy.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    with mock.patch.object(torch, "unique_consecutive", real_tokens.every_row_alone):
+        before = real_tokens.ppo.generate(policy, prompt_ids, prompt_mask, 4, 1.0, stop, 1, uniforms)
+    first, batches = batches[0], []
+    now = real_tokens.ppo.generate(policy, prompt_ids, prompt_mask, 4, 1.0, stop, 1, uniforms)
+    hook.remove()
+    assert (first, batches[0]) == (6, 2)
+    assert torch.equal(before[0], now[0])
+    torch.testing.assert_close(before[1], now[1], atol=1e-6, rtol=0)

@@ -11,6 +11,7 @@ family this checks that
   sequences (left-padded prompts of different lengths, temperature 0.7), so that PPO's ratio is 1 before any update;
 - --decode static (the cache of fixed shape that CUDA graphs replay) samples the tokens the dynamic cache samples,
   with the same log-probs (float64), at T = 0.7 and 1 and greedily, stopping where it stops;
+- a group's rows (equal prompts, encoded once, the cache repeated) sample what each row samples alone, in float64;
 - the reward model's score at the last real token does not depend on the padding around the sequence;
 - a reward model saved without a tokenizer is given none, and so reads the policy's token ids;
 - ppo.py, grpo.py and rloo.py each run two iterations with the family's policy and reward model, and the policy they
@@ -24,7 +25,7 @@ from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassificati
                           GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 import ppo
-from helpers import ROOT, assert_static_decode_matches_dynamic, run_script
+from helpers import ROOT, assert_group_prompts_prefilled_once, assert_static_decode_matches_dynamic, run_script
 
 TOKENIZER = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
 # Every family gets the embedded tokenizer's vocabulary and special tokens (it has no BOS).
@@ -135,3 +136,11 @@ def test_two_iterations(script, family, tmp_path):
     start_weights, saved_weights = start.state_dict(), saved.state_dict()
     assert start_weights.keys() == saved_weights.keys()
     assert sum((saved_weights[k] - start_weights[k]).abs().sum().item() for k in start_weights) > 0  # it trained
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_groups_prompt_is_encoded_once(family, decode):
+    """Each run of equal prompts prefilled once, its cache repeated: the tokens and float64 log-probs (within 1e-9)
+    of each row sampled alone, with either decode loop (see the helper)."""
+    policy = AutoModelForCausalLM.from_pretrained(family[0], dtype=torch.float64, experts_implementation="eager")
+    assert_group_prompts_prefilled_once(policy.eval(), PAD, torch.tensor([EOS]), len(TOKENIZER), 1e-9, decode)

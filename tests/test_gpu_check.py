@@ -91,6 +91,18 @@ def test_the_real_tokens_row_runs_on_the_cpu(tmp_path):
     assert row.split(" | ")[5].startswith("1.00, ")  # packed: one position per real token
 
 
+def test_the_prefill_row_runs_on_the_cpu(tmp_path):
+    """generate at the recipe's lengths scaled down, each group's prompt encoded once against every row's: 10 rows
+    in groups of 5 prefill 5 times fewer prompt positions, and sample the same tokens."""
+    out = tmp_path / "report.md"
+    assert gpu_check.main(["--device", "cpu", "--rows", "prefill", "--out", str(out)]) == 0
+    report = out.read_text()
+    assert "| prefill | pass |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| GSM8K-like, 2 prompts x 5 ("))
+    every, once = map(int, row.split(" | ")[1].split(" / "))
+    assert every == 5 * once and row.endswith("| yes |")
+
+
 def test_the_targets_are_read_off_the_tables(tmp_path):
     """On a made-up CUDA table: the new loop's speed-ups against the issue's 10x / 5x / 10x, the eager path's tokens,
     and a PPO iteration's time against 0.6x of the old one's."""

@@ -1,12 +1,14 @@
-"""Forwards on real tokens: each micro-batch cut to the columns its rows use (rows of similar lengths together), and
-the LM head run only where a loss reads its output.
+"""Forwards on real tokens: each micro-batch cut to the columns its rows use (rows of similar lengths together), the
+LM head run only where a loss reads its output, and a group's prompt encoded once when sampling.
 
 The references are independent of the code under test: every row run alone, with no padding at all and the model's
 own default positions, and the log-softmax taken in float64 here. Cutting must change nothing but rounding:
 - in float64 the logits and a classifier's values at every real position equal the row alone within 1e-9, for the
   padded batch and for the cut one, on every family of the model matrix;
 - in float32 the scripts' own forwards (the rollout's chunks, a training micro-batch with its entropy, the reward
-  model read at the last token) equal the row alone within 1e-5 on the embedded models.
+  model read at the last token) equal the row alone within 1e-5 on the embedded models;
+- a group's rows, their prompt prefilled once and its cache repeated, sample the tokens each row samples alone, with
+  log-probs within 1e-5 on the embedded policy in float32 (and 1e-9 in float64 on every family: test_families).
 """
 import os
 
@@ -15,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo
-from helpers import ROOT
+from helpers import ROOT, assert_group_prompts_prefilled_once
 from test_families import FAMILIES, PAD, TOKENIZER
 
 PROMPTS, RESPONSES = [2, 5, 3, 1, 4], [1, 4, 2, 6, 3]  # real lengths; rows padded to 7 prompt and 8 response columns
@@ -156,3 +158,10 @@ def test_a_training_micro_batch_cut_equals_each_row_alone(embedded):
     sum(alone_logprobs(policy, tokens, PROMPTS[b], 1.0)[0].sum() * b for b, tokens in enumerate(rows)).backward()
     torch.testing.assert_close(cut_grad, policy.model.layers[0].mlp.up_proj.weight.grad.float(), atol=1e-5, rtol=1e-4)
     policy.zero_grad()
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_a_groups_prompt_is_encoded_once_on_the_embedded_policy(decode):
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")).eval()
+    assert_group_prompts_prefilled_once(policy, TOKENIZER.pad_token_id, torch.tensor([TOKENIZER.eos_token_id]),
+                                        len(TOKENIZER), 1e-5, decode)
