@@ -28,23 +28,8 @@ Commands: `python grpo.py` (the embedded default: arithmetic with its checker, C
 has a LoRA recipe with verl's settings); `torchrun --nproc_per_node=8 grpo.py --args ...` (one process per GPU).
 """
 
-import functools
-import hashlib
-import importlib.util
-import inspect
-import json
-import os
-import pathlib
-import pkgutil
-import re
-import shlex
-import shutil
-import signal
-import socket
-import sys
-import tempfile
-import time
-import warnings
+import functools, hashlib, importlib.util, inspect, json, os, pathlib, pkgutil, re, shlex, shutil, signal, socket
+import sys, tempfile, time, warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional

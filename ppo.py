@@ -26,24 +26,8 @@ Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --
 models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, every model sharded with FSDP2).
 """
 
-import functools
-import hashlib
-import importlib.util
-import inspect
-import json
-import math
-import os
-import pathlib
-import pkgutil
-import re
-import shlex
-import shutil
-import signal
-import socket
-import sys
-import tempfile
-import time
-import warnings
+import functools, hashlib, importlib.util, inspect, json, math, os, pathlib, pkgutil, re, shlex, shutil, signal
+import socket, sys, tempfile, time, warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional

@@ -25,23 +25,8 @@ Commands: `python rloo.py` (the embedded default: reviews, the tiny reward model
 every model sharded with FSDP2).
 """
 
-import functools
-import hashlib
-import importlib.util
-import inspect
-import json
-import os
-import pathlib
-import pkgutil
-import re
-import shlex
-import shutil
-import signal
-import socket
-import sys
-import tempfile
-import time
-import warnings
+import functools, hashlib, importlib.util, inspect, json, os, pathlib, pkgutil, re, shlex, shutil, signal, socket
+import sys, tempfile, time, warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional

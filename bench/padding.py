@@ -56,14 +56,15 @@ def measured(prompt_lens, response_lens, micro, group=1, minibatch=None):
     """What one rollout's forwards compute, per real token (prompt and response): today, cut per micro-batch, sorted
     then cut; the padding's share today; the share of the LM head's (and critic's) positions whose output no loss
     reads, and the reward model's (it reads one per row); the prefill's positions per distinct prompt token (its
-    padding, and a group's prompt encoded once per response). Rows hold consecutive groups of `group` responses."""
+    padding, and a group's prompt encoded once per response), before and now (each group's prompt once). Rows hold
+    consecutive groups of `group` responses."""
     real = sum(prompt_lens) + sum(response_lens)
     today, cut, sorted_cut, training = layouts(prompt_lens, response_lens, micro, minibatch)
     prefill = len(prompt_lens) * max(prompt_lens)  # every row, left-padded to the widest prompt
     return dict(today=today / real, padding=1 - real / today, cut=cut / real, sorted_cut=sorted_cut / real,
                 training=training / real,
                 unread=1 - sum(response_lens) / today, unread_rm=1 - len(prompt_lens) / today,
-                prefill=prefill / (sum(prompt_lens) / group))
+                prefill=prefill / (sum(prompt_lens) / group), prefill_now=prefill / sum(prompt_lens))
 
 
 @torch.no_grad()
@@ -125,13 +126,13 @@ def main():
     lines = ["| setting | response length, mean (max) | training-shaped forwards: positions per real token, padded "
              "(before the cut) | padding share, padded | cut per micro-batch | sorted, then cut (now: the no-grad "
              "forwards) | now: training (each minibatch sorted, cut) | policy, reference, critic: outputs no loss "
-             "reads | reward model: outputs no loss reads | prefill: positions per distinct prompt token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "reads | reward model: outputs no loss reads | prefill: positions per distinct prompt token, before | "
+             "prefill, now (a group's prompt once) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, length, m, critic, rm in rows:
         rm_cell = f"{m['unread_rm']:.0%}" if rm else "-"
         lines.append(f"| {name} | {length} | {m['today']:.2f} | {m['padding']:.0%} | {m['cut']:.2f} | "
                      f"{m['sorted_cut']:.2f} | {m['training']:.2f} | {m['unread']:.0%} | {rm_cell} | "
-                     f"{m['prefill']:.2f} |")
+                     f"{m['prefill']:.2f} | {m['prefill_now']:.2f} |")
     print("\n".join(lines))
     if a.out:
         with open(a.out, "w") as f:

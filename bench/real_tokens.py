@@ -218,7 +218,8 @@ def prefill_part(a):
         med = {k: statistics.median(v) for k, v in times.items()}
         line = (f"| {name} | {int(mask.sum())} / {int(mask[::G].sum())} | {med['every row', 1]:.3f} s | "
                 f"{med['once', 1]:.3f} s | {med['once', 1] / med['every row', 1]:.2f}x | {med['every row', T]:.3f} s | "
-                f"{med['once', T]:.3f} s | **{med['once', T] / med['every row', T]:.2f}x** | {'yes' if same else 'no'} |")
+                f"{med['once', T]:.3f} s | **{med['once', T] / med['every row', T]:.2f}x** | "
+                f"{'yes' if same else 'no'} |")
         print(line, flush=True)
         lines.append(line)
     return lines

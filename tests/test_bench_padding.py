@@ -26,6 +26,8 @@ def test_the_counts_of_a_small_rollout_by_hand():
     assert m["unread"] == pytest.approx(26 / 36) and m["unread_rm"] == pytest.approx(32 / 36)
     # the prefill: 4 rows x 4 columns for 10 / 2 = 5 distinct prompt tokens
     assert m["prefill"] == pytest.approx(16 / 5)
+    # now each group's prompt once: 2 rows x 4 columns for the same 5
+    assert m["prefill_now"] == pytest.approx(8 / 5)
 
 
 def test_the_long_tailed_shape_stays_in_its_ranges():
@@ -46,3 +48,4 @@ def test_a_quick_run_prints_a_row_per_setting(tmp_path):
     assert len(rows) == 2
     # GRPO's default: 32 prompts x 8, so its prefill computes each prompt's tokens at least 8 times
     assert float(rows[0].split("|")[10]) >= 8
+    assert float(rows[0].split("|")[11]) == pytest.approx(float(rows[0].split("|")[10]) / 8, abs=0.01)  # now: once
