@@ -26,8 +26,8 @@ Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --
 models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, every model sharded with FSDP2).
 """
 
-import functools, hashlib, importlib.util, inspect, json, math, os, pathlib, pkgutil, re, shlex, shutil, signal
-import socket, sys, tempfile, time, warnings
+import functools, hashlib, importlib.util, inspect, json, math, multiprocessing, os, pathlib, pkgutil, re, shlex
+import shutil, signal, socket, sys, tempfile, time, warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
@@ -197,6 +197,8 @@ class Args:
     """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
     on_reward_error: Literal["stop", "penalty"] = "stop"
     """a reward that raises or is not finite: stop, or score it --missing_eos_penalty below the batch minimum"""
+    reward_timeout: float = 600.0
+    """seconds a --reward_fn call may take before it counts as a failed reward (a hung grader); 0: no limit"""
 
     # precision and memory
     mixed_precision: bool = False
@@ -412,7 +414,7 @@ def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_m
                                        ids.shape[1] - 1)[:, 0])
     rules, why = {}, "not a finite number"  # {name: (B,) its scores, nan where it failed}
     for name, fn in reward_fns:
-        scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows])
+        scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows], args.reward_timeout)
         rules[name] = torch.tensor(scores, device=input_ids.device)
         if why == "not a finite number" and not (reason and rules[name].isfinite().all()):  # the first that failed
             why = reason and (f"{reason} (--reward_fn {name})" if len(reward_fns) > 1 else reason)
@@ -681,7 +683,7 @@ def main(args):
 
 # ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above ========
 
-# ---- processes and the task
+# ---- processes, the task and loading
 def start_processes(args):
     """One process per device under torchrun, none in a plain run: sets args.world_size, returns rank and device."""
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
@@ -713,7 +715,6 @@ def load_task(args, device):
     reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
     return tokenizer, prompts, rows, held_out, stop_ids, reward_fns
 
-# ---- loading
 def check_model_path(path, kind, what):
     """One sentence, before anything loads, for a path that is not a model of its kind ('model': any)."""
     if not os.path.isdir(path) and not hub_constants.HF_HUB_OFFLINE and not reachable(hub_constants.ENDPOINT):
@@ -884,9 +885,7 @@ def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperatur
         STATIC_DECODERS.pop(key, None)  # the narrower one's memory goes before the wider one's comes
         width = -(-(P + max_new_tokens) // 64) * 64
         STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs)
-    responses = STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, temperature)
-    hold_full_parameters(policy, hold=False)
-    return responses
+    return STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, temperature)
 
 class StaticDecoder:
     """generate's decode steps over buffers allocated once and counters on the device: no host sync, so on CUDA a
@@ -895,8 +894,7 @@ class StaticDecoder:
         B, device = logits.shape[0], logits.device
         self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
         self.pad_token_id, self.capture, self.graphs = pad_token_id, graphs, {}  # (temperature, greedy) -> graph
-        self.logits = torch.zeros_like(logits)  # (B, V) those the next token is drawn from
-        self.stop_ids = stop_ids.clone()  # the same for every call with this decoder's key
+        self.logits, self.stop_ids = torch.zeros_like(logits), stop_ids.clone()  # (B, V) drawn from next; (S,)
         self.uniforms = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
         long = dict(dtype=torch.long, device=device)
         self.attention_mask = torch.zeros(B, width, **long)  # (B, W) the columns in use
@@ -924,6 +922,7 @@ class StaticDecoder:
             if (step + 1) % every == 0 and self.done.all():
                 break
         T = int(self.masks[:, : step + 1].sum(1).max())  # the dynamic loop stops after the last live row's stop
+        hold_full_parameters(policy, hold=False)
         return self.tokens[:, :T].clone(), self.logprobs[:, :T].clone(), self.masks[:, :T].long()
 
     def advance(self, policy, sampling):
@@ -933,12 +932,11 @@ class StaticDecoder:
         if not self.capture or sampling in self.graphs:  # no capture here, or it failed
             return self.step_once(policy, *sampling)
         # one step op by op on the capture's stream (Triton compiles, cuBLAS sets up), then the capture: it runs nothing
-        stream, self.graphs[sampling] = torch.cuda.Stream(), None
+        stream, graph, self.graphs[sampling] = torch.cuda.Stream(), torch.cuda.CUDAGraph(), None
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.step_once(policy, *sampling)
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, stream=stream):
                 self.step_once(policy, *sampling)
@@ -1085,8 +1083,8 @@ def left_pad(sequences, pad_token_id, device, width=None):
 def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
     """Scores (B,) that are not finite stop the run (in stops), or go below the batch's lowest; with their count."""
     bad = ~torch.isfinite(score)
-    failure = None if why else ("the reward function fails on the whole batch but on no single response; it must "
-                                "return one score per response.")
+    failure = None if why else ("the reward function raises on the whole batch but on no single response; make it "
+                                "score a batch as it scores each response.")
     if bad.any() and not failure:
         i = bad.nonzero()[0, 0].item()
         prompt = tokenizer.decode(prompt_ids[i], skip_special_tokens=True)
@@ -1161,18 +1159,37 @@ def reward_module(path):
     found.loader.exec_module(module)
     return module
 
-def call_reward_fn(reward_fn, texts, answers):
-    """The rule's scores (nan where none) and the first error, each response alone when the batch's call fails."""
+def call_with_alarm(timeout, fn, *inputs):
+    """fn(*inputs), interrupted by a TimeoutError every timeout seconds until it ends (SIGALRM: Unix, main thread)."""
+    def ring(signum, frame):
+        raise TimeoutError(f"no answer within --reward_timeout {timeout:g} s")
+    signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, timeout, timeout)  # again and again: a pool's shutdown may wait too
     try:
-        scores = [float(x) for x in reward_fn(list(texts), list(answers))]  # copies in: it may change them
-        if len(scores) == len(texts):
-            return scores, "not a finite number"
+        return fn(*inputs)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+def call_reward_fn(reward_fn, texts, answers, timeout):
+    """The rule's scores (nan where none) and why they failed: each response alone when the batch's call raises."""
+    try:
+        got = call_with_alarm(timeout, reward_fn, list(texts), list(answers))  # copies in: it may change them
+        listed = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else None
+        if listed is None or len(listed) != len(texts):  # one float per response, nothing else
+            found = f"a {type(got).__name__}" if listed is None else f"{len(listed)} scores"
+            return [float("nan")] * len(texts), f"nan: the batch's call returned {found} for {len(texts)} responses"
+        scores = [float(x) for x in listed]
+        large = [x for x in scores if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
+        return scores, f"{large[0]:g}, past float32's range" if large else "not a finite number"
+    except TimeoutError as e:  # each response alone could hang as long; the call's hung worker processes end
+        for child in multiprocessing.active_children():
+            child.kill()
+        return [float("nan")] * len(texts), f"an error (TimeoutError: {e})"
     except BaseException:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
-        pass
-    scores, errors = [], []
+        scores, errors = [], []
     for text, answer in zip(texts, answers):
         try:
-            (score,) = reward_fn([text], [answer])  # exactly one score, else a ValueError names the count
+            (score,) = call_with_alarm(timeout, reward_fn, [text], [answer])  # exactly one, or a ValueError
             scores.append(float(score))
         except BaseException as e:
             scores.append(float("nan"))
@@ -1196,8 +1213,7 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
 @torch.no_grad()
 def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device, stops=None):
     """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
-    prompts, rows = held_out
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    (prompts, rows), rank = held_out, dist.get_rank() if dist.is_initialized() else 0
     uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed))
     # a contiguous share each, the last topped up with uncounted copies of the last prompt: the same batches (FSDP)
     share = -(-len(prompts) // args.world_size)
@@ -1233,35 +1249,29 @@ def check_common_args(args, responses_per_iteration):
                          "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset).")
     require(args, [f.name for f in fields(args) if f.type is float], "must be finite", lambda v: abs(v) < 1e308)
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
-    require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
+    require(args, ("eval_every", "save_every", "reward_timeout"), "must be 0 (never) or more", lambda v: v >= 0)
     require(args, ("rollout_batch_size", "total_episodes", "minibatch_size", "micro_batch_size", "num_epochs",
                    "response_length", "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints",
-                   "max_bad_steps"),
-            "must be at least 1", lambda v: v >= 1)
+                   "max_bad_steps"), "must be at least 1", lambda v: v >= 1)
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
     require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
-    if args.rollout_batch_size % args.world_size or args.minibatch_size % args.world_size:
-        raise SystemExit(f"--rollout_batch_size {args.rollout_batch_size} (prompts, each process sampling whole "
-                         f"groups) and --minibatch_size {args.minibatch_size} must be multiples of the "
-                         f"{args.world_size} processes.")
-    if responses_per_iteration % args.minibatch_size:
-        raise SystemExit(f"--minibatch_size {args.minibatch_size} does not divide the {responses_per_iteration} "
-                         "responses per iteration; pick sizes where it does.")
+    require(args, ("rollout_batch_size", "minibatch_size"), f"must be a multiple of the {args.world_size} processes "
+            "(each samples whole groups of prompts)", lambda v: v % args.world_size == 0)
+    require(args, ("minibatch_size",), f"must divide the {responses_per_iteration} responses per iteration",
+            lambda v: responses_per_iteration % v == 0)
     local_minibatch = args.minibatch_size // args.world_size
     if args.micro_batch_size > local_minibatch:  # an upper bound, so that the defaults hold under torchrun too
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"--micro_batch_size {args.micro_batch_size} is more than the per-process minibatch of "
                   f"{local_minibatch} ({args.world_size} processes); using {local_minibatch}.")
         args.micro_batch_size = local_minibatch
-    if local_minibatch % args.micro_batch_size:
-        raise SystemExit(f"--micro_batch_size {args.micro_batch_size} does not divide the per-process minibatch of "
-                         f"{local_minibatch}; pick one that does.")
-    if args.total_episodes < responses_per_iteration:
-        raise SystemExit(f"--total_episodes {args.total_episodes} is less than one rollout of "
-                         f"{responses_per_iteration} responses; raise it.")
+    require(args, ("micro_batch_size",), f"must divide the per-process minibatch of {local_minibatch}",
+            lambda v: local_minibatch % v == 0)
+    require(args, ("total_episodes",), f"must be at least one rollout ({responses_per_iteration} responses)",
+            lambda v: v >= responses_per_iteration)
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
@@ -1317,7 +1327,8 @@ ALARMS = {
 # ---- checkpoints, stop signals and bad steps
 # What may differ between a run and its resumption (the number of processes too); every other argument must match.
 RESUMABLE = ("resume", "num_iterations", "world_size", "output_dir", "total_episodes", "save_every", "keep_checkpoints",
-             "max_bad_steps", "on_reward_error", "track", "wandb_project", "exp_name", "log_samples_every")
+             "max_bad_steps", "on_reward_error", "reward_timeout", "micro_batch_size", "track", "wandb_project",
+             "exp_name", "log_samples_every")
 USUAL_CAUSES = ("the usual causes are a learning rate too high (lower it), rewards of a large scale (normalise them), "
                 "bf16 or fp16 overflow (--model_dtype float32)")
 
@@ -1411,8 +1422,7 @@ def find_checkpoint(args):
     elif args.resume:  # a path: normalised, a whole checkpoint, or one sentence with the newest whole one beside it
         path = args.resume = os.path.normpath(args.resume)
         if path.endswith(".tmp"):
-            raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder, never finished); "
-                             "pass --resume auto.")
+            raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder); pass --resume auto.")
         if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
             raise SystemExit(f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
                              f"{args.output_dir}/checkpoint-N folder, or auto.")
@@ -1562,8 +1572,9 @@ def step_is_finite(grad_norms, stats, state, iteration, args):
         print(f"iteration {iteration}: a non-finite loss or gradient; steps are skipped until a finite one", flush=True)
     return state["bad_steps"] == 0
 
-def non_finite_weight(models):
-    """The name of a trained weight holding a nan or an inf (on every process), or None; one fused reduction."""
+def refuse_non_finite(models, what, args):
+    """Stop every process, rank 0 naming it, when a trained weight holds a nan or an inf (what is refused); one fused
+    reduction over every process's shards."""
     named = [(f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
              for key, model in models.items() for name, p in model.named_parameters() if p.requires_grad]
     named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
@@ -1573,18 +1584,12 @@ def non_finite_weight(models):
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if not bad.item():
-        return None
+        return
     mine = next((name for (name, _), x in zip(named, largest) if not torch.isfinite(x)), None)
-    return next(n for n in all_processes(mine) if n)
-
-def refuse_non_finite(models, what, args):
-    """Stop every process, rank 0 naming the weight, when a trained weight holds a nan or an inf (what is refused)."""
-    name = non_finite_weight(models)
-    if name:
-        newest = (checkpoints_in(args.output_dir) or [None])[-1]
-        raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}"
-                         + (f"; the newest checkpoint is {newest}." if newest else ".")
-                         if not dist.is_initialized() or dist.get_rank() == 0 else 1)
+    name, newest = next(n for n in all_processes(mine) if n), (checkpoints_in(args.output_dir) or [None])[-1]
+    raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}"
+                     + (f"; the newest checkpoint is {newest}." if newest else ".")
+                     if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 
 # ---- dashboard and log
 NOT_SUMS = ("tokens", "steps", "ratio_max", "first_ratio_dev")  # the keys of stats that are not sums over tokens
@@ -1656,10 +1661,8 @@ def resumed_log(checkpoint, metrics):
     same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
     if own[same:]:
         stem = f"{os.path.splitext(metrics)[0]}.after-{os.path.basename(checkpoint)}"
-        side, n = f"{stem}.jsonl", 1
-        while os.path.exists(side):
-            n += 1
-            side = f"{stem}-{n}.jsonl"
+        names = [f"{stem}.jsonl", *(f"{stem}-{n}.jsonl" for n in range(2, 9999))]  # the first not taken
+        side = next(name for name in names if not os.path.exists(name))
         pathlib.Path(side).write_text("".join(own[same:]))
         print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
     pathlib.Path(metrics).write_text("".join(rows))
@@ -1667,8 +1670,7 @@ def resumed_log(checkpoint, metrics):
 class Log:
     """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
     def __init__(self, args, state, rank, tokenizer):
-        self.args, self.tokenizer, self.on = args, tokenizer, rank == 0
-        self.file = self.wandb = None
+        self.args, self.tokenizer, self.on, self.file, self.wandb = args, tokenizer, rank == 0, None, None
         if self.on:
             os.makedirs(args.output_dir, exist_ok=True)
             self.lock = lock_output_dir(args.output_dir)  # before anything is written there

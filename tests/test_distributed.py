@@ -162,7 +162,8 @@ def test_a_run_goes_on_from_a_checkpoint_on_another_number_of_processes(runs, he
 
 def test_a_non_finite_weight_is_found_in_either_processs_shards(tmp_path):
     """After every optimiser step each process looks at its own shards of the trained weights (FSDP2's DTensors): an
-    inf in the second process's half of a weight is named on both processes, and the check is silent before it."""
+    inf in the second process's half of a weight stops both processes, the first naming it (the second exits with 1,
+    saying nothing), and the check is silent before it."""
     snippet = tmp_path / "check.py"
     snippet.write_text(f"""import json, os, sys
 sys.path.insert(0, {ROOT!r})
@@ -174,11 +175,16 @@ dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
 fully_shard(model)  # each process holds 3 of the first weight's 6 rows
-found = [ppo.non_finite_weight({{"policy": model}})]
+def stops():
+    try:
+        ppo.refuse_non_finite({{"policy": model}}, "checked", ppo.Args(output_dir={str(tmp_path)!r}))
+    except SystemExit as e:
+        return e.code
+found = [stops()]
 if dist.get_rank() == 1:
     with torch.no_grad():
         model[0].weight.to_local()[2, 1] = float("inf")
-found.append(ppo.non_finite_weight({{"policy": model}}))
+found.append(stops())
 with open({str(tmp_path)!r} + f"/rank{{dist.get_rank()}}.json", "w") as f:
     json.dump(found, f)
 dist.destroy_process_group()
@@ -186,5 +192,6 @@ os._exit(0)  # past gloo's teardown at interpreter exit, which now and then abor
 """)
     result = subprocess.run([*TORCHRUN, str(snippet)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in (0, 1):
-        assert json.load(open(tmp_path / f"rank{rank}.json")) == [None, "policy: 0.weight"]
+    assert json.load(open(tmp_path / "rank1.json")) == [None, 1]
+    said = json.load(open(tmp_path / "rank0.json"))
+    assert said[0] is None and said[1].startswith("checked: the weight 'policy: 0.weight' holds a nan or an inf; ")

@@ -160,7 +160,7 @@ def test_kl_coef_zero_loads_no_reference():
 @pytest.mark.parametrize("kw,message", [
     (dict(num_generations=1), "--num_generations must be at least 2"),
     (dict(rollout_batch_size=4, num_generations=6, minibatch_size=16),
-     "does not divide the 24 responses per iteration"),
+     "must divide the 24 responses per iteration"),
     (dict(clip_range_high=0.0), "--clip_range_high must be positive"),
     (dict(kl_coef=-1.0), "--kl_coef must be zero or more"),
 ])

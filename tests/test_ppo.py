@@ -400,7 +400,7 @@ def args_with(**kw):
     "kw,message",
     [
         # PPO's own arguments; the checks every script shares are in test_robustness.py, for all three
-        (dict(rollout_batch_size=64, minibatch_size=24), "does not divide the 64 responses per iteration"),
+        (dict(rollout_batch_size=64, minibatch_size=24), "must divide the 64 responses per iteration"),
         (dict(clip_range=-0.2), "--clip_range must be positive"),
         (dict(value_learning_rate=0.0), "--value_learning_rate must be positive"),
         (dict(vf_coef=-0.1), "--vf_coef must be zero or more"),

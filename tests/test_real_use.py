@@ -1,5 +1,6 @@
 """Runs as people make them: two runs into one folder, a stop before the first optimiser step, reward code that uses
-process pools, calls sys.exit or changes its inputs, a checkpoint moved elsewhere and linked back. Each case is
+process pools, calls sys.exit, changes its inputs, hangs or returns the wrong thing, a checkpoint moved elsewhere and
+linked back. Each case is
 compared with what must happen: one run refused in one sentence, the same run bitwise, the same metrics as the
 function called in-process."""
 import os
@@ -8,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -80,6 +82,8 @@ def test_a_reward_failing_in_iteration_1_resumes_bitwise(script, tmp_path):
 
 POOLS = """
 import multiprocessing
+import os
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 from grading import grade  # a module beside this file
@@ -111,6 +115,24 @@ def takes_its_inputs(responses, answers):
 
 def exits(responses, answers):
     raise SystemExit(0)
+
+
+def hangs(seconds):  # and says so, in a file named "hanging" beside this one
+    open(os.path.join(os.path.dirname(__file__), "hanging"), "w").close()
+    time.sleep(seconds)
+
+
+calls = []
+def hangs_once(responses, answers):  # its second call hangs while a file named "hang" is beside it
+    calls.append(len(responses))
+    if len(calls) == 2 and os.path.exists(os.path.join(os.path.dirname(__file__), "hang")):
+        hangs(600)
+    return in_process(responses, answers)
+
+
+def hangs_in_a_pool(responses, answers):  # a grader's worker that never answers
+    with ProcessPoolExecutor(2) as pool:
+        return list(pool.map(hangs, [600] * len(responses)))
 """
 
 
@@ -145,6 +167,64 @@ def test_sys_exit_in_reward_code_is_a_reward_failure(reward_file, tmp_path):
     assert "Traceback" not in printed
 
 
+def test_a_hung_reward_stops_at_its_timeout_and_the_resumed_run_is_the_one_never_stopped(reward_file, tmp_path):
+    """The reward's second call hangs: past --reward_timeout it is a reward failure (checkpoint-1 and the command to
+    go on). Resumed with the grader fixed, the run's metrics and final weights are those of the run that never hung,
+    bitwise."""
+    args = [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:hangs_once", "--save_every", "3"]
+    full, _ = run_script("grpo.py", tmp_path / "full", *args)
+    (tmp_path / "hang").touch()
+    out, started = tmp_path / "run", time.time()
+    proc = launch("grpo.py", out, [*args, "--reward_timeout", "2"])
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1 and "Traceback" not in printed, printed[-3000:]
+    assert "is an error (TimeoutError: no answer within --reward_timeout 2 s); fix the reward" in printed
+    assert time.time() - started < 120  # not the 600 s of the hang
+    command = printed.split("to go on:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"--resume {out / 'checkpoint-1'}")
+    (tmp_path / "hang").unlink()
+    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert without_timing(read_rows(out)) == without_timing(full)
+    assert_bitwise_equal(final_state(out, 3), final_state(tmp_path / "full", 3))
+
+
+def test_sigterm_stops_a_run_whose_reward_hangs_within_the_timeout(reward_file, tmp_path):
+    """SIGTERM while the grader hangs, in-process or in a process pool's worker: the run saves and ends once the
+    timeout rings (it cannot save sooner: the call holds the main thread), and no worker is left behind."""
+    (tmp_path / "hang").touch()
+    for name in ("hangs_once", "hangs_in_a_pool"):
+        out = tmp_path / name
+        proc = launch("grpo.py", out, [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:{name}",
+                                       "--reward_timeout", "5"])
+        wait_for(lambda: (tmp_path / "hanging").exists(), proc)
+        (tmp_path / "hanging").unlink()
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.time()
+        printed = proc.communicate(timeout=240)[0]
+        assert time.time() - signalled < 30, name
+        assert proc.returncode == 1 and "SIGTERM: stopping to save" in printed, printed[-3000:]
+        assert "TimeoutError: no answer within --reward_timeout 5 s" in printed and "--resume" in printed
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout
+        assert children == "", name
+
+
+@pytest.mark.parametrize("returned, why", [
+    ("1.0", "nan: the batch's call returned a str for 3 responses"),
+    ([1.0, 0.0], "nan: the batch's call returned 2 scores for 3 responses"),
+    ([1.0, 0.0, 1.0, 1.0], "nan: the batch's call returned 4 scores for 3 responses"),
+    (0.5, "nan: the batch's call returned a float for 3 responses"),
+    ([1.0, 1e300, 0.0], "1e+300, past float32's range"),
+])
+def test_a_wrong_return_is_named(returned, why):
+    """Before, a str had each character taken as a score, a wrong count blamed one response with "too many values
+    to unpack", and 1e300 (finite in Python, inf in float32) was called "not a finite number"."""
+    scores, reason = grpo.call_reward_fn(lambda responses, answers: returned, ["a", "b", "c"], [1, 2, 3], 10)
+    assert reason == why
+    assert not torch.tensor(scores).isfinite().all()  # the batch fails: no score is taken from it
+
+
 # ---------------------------------------------------------------- a checkpoint moved away and linked back
 
 def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
@@ -166,6 +246,19 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
     assert ("--total_episodes 8 ends at iteration 1; the checkpoint is at 2, so no step is taken: its policy is "
             "saved as it is (raise it to go on)") in printed
     assert len(rows) == 2
+
+
+def test_a_resume_may_raise_the_reward_timeout_and_change_the_micro_batch(tmp_path):
+    """A run stopped by a hung reward is resumed with a longer --reward_timeout; a checkpoint saved under torchrun,
+    which lowers --micro_batch_size to the per-process minibatch, is resumed on one process with the command that
+    made it: neither counts as a changed argument (the micro-batch changes the order of the float sums alone)."""
+    out = tmp_path / "run"
+    run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1, micro_batch_size=4,
+                                    reward_timeout=30))
+    assert grpo.read_json(out / "checkpoint-2" / "args.json")["micro_batch_size"] == 4
+    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60),
+                               "--resume", "auto")
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and "other values of" not in printed
 
 
 def test_a_null_answer_for_a_built_in_rule_is_refused(tmp_path):

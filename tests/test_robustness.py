@@ -326,12 +326,12 @@ def test_a_non_finite_score_is_named():
 
 
 def test_a_wrong_number_of_scores_is_named():
-    with pytest.raises(SystemExit, match=r"the response 'nine' .* is an error "
-                                         r"\(ValueError: not enough values to unpack \(expected 1, got 0\)\)"):
+    with pytest.raises(SystemExit, match=r"the response '5' .* is nan: the batch's call returned 3 scores for 4 "
+                                         r"responses; fix the reward"):  # the count named, not one response blamed
         scored(lambda texts, answers: [1.0 for t in texts if t != "nine"])  # drops a response
-    with pytest.raises(SystemExit, match="fails on the whole batch but on no single response; "
-                                         "it must return one score per response"):
-        scored(lambda texts, answers: [1.0] * min(len(texts), 3))
+    with pytest.raises(SystemExit, match="raises on the whole batch but on no single response; make it score a "
+                                         "batch as it scores each response"):
+        scored(lambda texts, answers: [1.0] * len(texts) if len(texts) == 1 else 1 / 0)
     # every response failed: no batch minimum, and the advice is not the option already on
     with pytest.raises(SystemExit, match="every response of the batch failed its reward "
                                          r"\(the response '5' .* is not a finite number\); fix the reward function\.$"):
@@ -408,7 +408,7 @@ COMMON_BAD = [
     (dict(temperature=0.0), "--temperature must be positive"),
     (dict(reward_model_path=(), reward_fn=()), "no reward"),
     (dict(reward_fn=("nope",)), "unknown --reward_fn"),
-    (dict(total_episodes=4), "less than one rollout"),
+    (dict(total_episodes=4), "must be at least one rollout"),
     (dict(micro_batch_size=0), "--micro_batch_size must be at least 1"),
     (dict(num_epochs=0), "--num_epochs must be at least 1"),
     (dict(response_length=0), "--response_length must be at least 1"),
@@ -419,8 +419,8 @@ COMMON_BAD = [
     (dict(keep_checkpoints=0), "--keep_checkpoints must be at least 1"),
     (dict(max_bad_steps=0), "--max_bad_steps must be at least 1"),
     (dict(resume="/nonexistent/checkpoint-3"), "is not a checkpoint \\(it has no state.json\\)"),
-    (dict(resume="/nonexistent/checkpoint-3.tmp"), "is a save that was cut short \\(a .tmp folder, never finished\\)"),
-    (dict(minibatch_size=8, micro_batch_size=3), "does not divide the per-process minibatch"),
+    (dict(resume="/nonexistent/checkpoint-3.tmp"), "is a save that was cut short \\(a .tmp folder\\)"),
+    (dict(minibatch_size=8, micro_batch_size=3), "must divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
     # non-finite floats pass every comparison but "finite"; a seed past 9e12 overflows the generator's 64 bits
     (dict(kl_coef=float("inf")), "--kl_coef must be finite \\(got inf\\)"),
@@ -435,7 +435,8 @@ COMMON_BAD = [
 GROUP_BAD = [
     (dict(num_generations=1), "--num_generations must be at least 2"),
     (dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2),
-     "--rollout_batch_size 3 \\(prompts, each process sampling whole groups\\)"),
+     "--rollout_batch_size must be a multiple of the 2 processes \\(each samples whole groups of prompts\\) "
+     "\\(got 3\\)"),
 ]
 
 
