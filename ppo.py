@@ -73,7 +73,7 @@ class Args:
     output_dir: str = "runs/ppo"
     """where metrics.jsonl, args.json and the final policy are written"""
     dataset: str = f"{ASSETS}/reviews/train.jsonl"
-    """training prompts: a local .json/.jsonl file, or a hub dataset name"""
+    """training prompts: a local .jsonl, .json, .csv or .parquet file (compressed too), or a hub dataset name"""
     reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ()
@@ -743,9 +743,8 @@ def check_model_path(path, kind, what):
 @functools.cache
 def reachable(url):
     """Whether url's server answers within seconds (the hub, wandb), so that without a network a run says so at once."""
-    url = urlparse(url)
     try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
+        socket.create_connection((urlparse(url).hostname, urlparse(url).port or 443), timeout=5).close()
         return True
     except OSError:
         return False
@@ -963,24 +962,28 @@ class StaticDecoder:
 
 # ---- data
 def read_rows(path, split, args):
-    """The dataset as a list of dicts: a local .jsonl (or .json) file, a bad line named, or a hub dataset."""
-    if not path.endswith((".json", ".jsonl")):
+    """The dataset as a list of dicts: a local .json or .jsonl file (a bad line named); a local .csv or .parquet file,
+    or any of them compressed, read by datasets; or a hub dataset."""
+    local = re.search(r"\.(jsonl?|csv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
+    if local and not os.path.isfile(path):
+        raise SystemExit(f"dataset file '{path}' {'is a folder' if os.path.isdir(path) else 'does not exist'}; pass a "
+                         f"file of {{\"{args.prompt_field}\": ...}} rows (.jsonl, .csv, .parquet) or a hub dataset.")
+    if not local or local[2] or local[1].lower() in ("csv", "parquet"):
         from datasets import load_dataset
-        try:
-            return list(load_dataset(path, args.dataset_config, split=split))
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"hub dataset '{path}' (split '{split}', configuration {args.dataset_config}) could not "
-                             f"be loaded ({type(e).__name__}: {e}); check its name, --dataset_config and the network.")
-    if not os.path.isfile(path):
-        raise SystemExit(f"dataset file '{path}' does not exist; pass a .jsonl file of {{\"{args.prompt_field}\": "
-                         "...}} rows or a hub dataset name.")
+        try:  # a local file by its kind, as datasets names them (json, csv, parquet)
+            return list(load_dataset(local[1].lower().rstrip("l"), data_files=path, split="train") if local else
+                        load_dataset(path, args.dataset_config, split=split))
+        except Exception as e:  # datasets wraps a file's errors in its own
+            raise SystemExit(f"{'dataset file' if local else 'hub dataset'} '{path}' could not be loaded "
+                             f"({type(e).__name__}: {e}); check " + ("its contents." if local else
+                             f"its name, the split '{split}', --dataset_config {args.dataset_config} and the network."))
     raw = pathlib.Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise SystemExit(f"line {line} of '{path}' is not UTF-8 text (byte {raw[e.start]:#04x}); save it as UTF-8.")
-    whole = path.endswith(".json") and text.lstrip().startswith("[")  # one JSON list, else a JSON object a line
+    whole = path.lower().endswith(".json") and text.lstrip().startswith("[")  # one JSON list, else a JSON object a line
     rows = []
     for number, line in enumerate([text] if whole else text.splitlines(), 1):
         try:
@@ -1407,8 +1410,7 @@ def find_checkpoint(args):
     if args.resume == "auto":
         args.resume = None
         for path in reversed(held):
-            damage = checkpoint_damage(path)
-            if not damage:
+            if not (damage := checkpoint_damage(path)):
                 args.resume = path
                 break
             if say:
@@ -1426,8 +1428,7 @@ def find_checkpoint(args):
         if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
             raise SystemExit(f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
                              f"{args.output_dir}/checkpoint-N folder, or auto.")
-        damage = checkpoint_damage(path)
-        if damage:
+        if damage := checkpoint_damage(path):
             whole = next((p for p in reversed(checkpoints_in(os.path.dirname(path))) if p != path
                           and not checkpoint_damage(p)), None)
             raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; " + (
@@ -1449,8 +1450,7 @@ def find_checkpoint(args):
                          f"or start {script} in another --output_dir.")
     saved = read_json(os.path.join(args.resume, "args.json")) if args.resume else {}
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
-    changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
-    if changed:
+    if changed := [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]:
         raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
                          f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change).")
 

@@ -451,7 +451,8 @@ def test_bad_datasets(tmp_path):
     with pytest.raises(SystemExit, match="row 1 of .* has a int as its prompt"):
         ppo.load_prompts(str(tmp_path / "number.jsonl"), "train", args_with(), tokenizer)
     # HF_HUB_OFFLINE=1 (conftest): a hub dataset cannot be fetched, and the error says so instead of a traceback
-    with pytest.raises(SystemExit, match="hub dataset 'someone/reviews' .* could not be loaded"):
+    with pytest.raises(SystemExit, match="hub dataset 'someone/reviews' could not be loaded .*; check its name, "
+                                         "the split 'train'"):
         ppo.load_prompts("someone/reviews", "train", args_with(), tokenizer)
 
 

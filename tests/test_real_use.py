@@ -3,6 +3,8 @@ process pools, calls sys.exit, changes its inputs, hangs or returns the wrong th
 linked back. Each case is
 compared with what must happen: one run refused in one sentence, the same run bitwise, the same metrics as the
 function called in-process."""
+import gzip
+import json
 import os
 import shlex
 import shutil
@@ -13,6 +15,7 @@ import time
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import grpo
 from helpers import ROOT, run_script
@@ -259,6 +262,35 @@ def test_a_resume_may_raise_the_reward_timeout_and_change_the_micro_batch(tmp_pa
     rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60),
                                "--resume", "auto")
     assert [r["iteration"] for r in rows] == [1, 2, 3] and "other values of" not in printed
+
+
+# ---------------------------------------------------------------- data as people have it
+
+def test_local_data_in_every_format_reads_as_the_jsonl(tmp_path):
+    """The same rows as .csv, .parquet, a gzipped .jsonl and an upper-case .JSONL: each gives the .jsonl's prompts
+    and answers (before, every one of them went to the hub loader: "Couldn't find any data file"); a folder named
+    like a data file is said to be a folder, and a file whose contents do not parse is named."""
+    import datasets
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl")).readlines()[:12]))
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "train.csv"), index=False)
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "train.parquet"))
+    (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
+    (tmp_path / "TRAIN.JSONL").write_bytes(jsonl.read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    args = grpo.Args(eval_every=0)
+    prompts, expected = grpo.load_prompts(str(jsonl), "train", args, tokenizer)
+    for name in ("train.csv", "train.parquet", "train.jsonl.gz", "TRAIN.JSONL"):
+        got, got_rows = grpo.load_prompts(str(tmp_path / name), "train", args, tokenizer)
+        assert got == prompts, name
+        assert [(r["prompt"], str(r["answer"])) for r in got_rows] == [(r["prompt"], r["answer"]) for r in expected]
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(SystemExit, match="dataset file '.*folder.jsonl' is a folder; pass a file of"):
+        grpo.load_prompts(str(tmp_path / "folder.jsonl"), "train", args, tokenizer)
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(SystemExit, match="dataset file '.*bad.parquet' could not be loaded .*; check its contents"):
+        grpo.load_prompts(str(tmp_path / "bad.parquet"), "train", args, tokenizer)
 
 
 def test_a_null_answer_for_a_built_in_rule_is_refused(tmp_path):
