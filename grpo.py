@@ -28,8 +28,8 @@ Commands: `python grpo.py` (the embedded default: arithmetic with its checker, C
 has a LoRA recipe with verl's settings); `torchrun --nproc_per_node=8 grpo.py --args ...` (one process per GPU).
 """
 
-import functools, hashlib, importlib.util, inspect, json, multiprocessing, os, pathlib, pkgutil, re, shlex, shutil
-import signal, socket, sys, tempfile, time, warnings
+import functools, hashlib, importlib.util, inspect, itertools, json, multiprocessing, os, pathlib, pkgutil, re, shlex
+import shutil, signal, socket, sys, tempfile, time, warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, Optional
@@ -242,8 +242,7 @@ def masked_mean(x, mask):
 
 def global_mean(x):
     """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
-    x = x.float()
-    return masked_mean(x, torch.ones_like(x)).item()
+    return masked_mean(x.float(), torch.ones_like(x).float()).item()
 
 
 def masked_var(x, mask):
@@ -352,6 +351,20 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
 
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
 # >>> shared: forward passes
+def left_pad(sequences, pad_token_id, device, width=None):
+    """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
+    width = width or max(len(s) for s in sequences)
+    ids, mask = torch.full((len(sequences), width), pad_token_id), torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
+    return ids.to(device), mask.to(device)
+
+
+def row_uniforms(rng, rows, args, rank):
+    """This process's rows of uniforms drawn for all: a response never depends on the number of processes."""
+    return torch.rand(rows * args.world_size, args.response_length, generator=rng)[rank * rows : (rank + 1) * rows]
+
+
 def position_ids_from(attention_mask):
     """Left padding shifts every prompt; positions (B, L) count real tokens only."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -531,9 +544,10 @@ def main(args):
         iteration=0, episodes=0, data_epoch=0, data_cursor=0, alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
     # >>> shared: outputs and the starting policy's held-out score
     log, stops = Log(args, state, rank, tokenizer), catch_stop_signals()
-    if held_out[0] and not args.resume:  # logged as iteration 0: where the run starts from
-        log.before_training(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device,
-                                     stops))
+    if held_out[0] and state.setdefault("eval_due", not args.resume):  # iteration 0's, or one a failed reward left
+        log.evaluation(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state),
+                       state)
+        stop_and_save(stops, args, models, optimizers, state, rank, device)
     # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
@@ -636,7 +650,7 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device, stops))
+            m.update(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state))
         log.iteration(m, state, prompt_ids, texts, raw_score)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
@@ -674,10 +688,11 @@ def load_task(args, device):
     if tokenizer.pad_token_id is None:
         warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not ids, say what is padding).")
         tokenizer.pad_token = tokenizer.eos_token
+    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)  # the chat template tried first
     prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
-    eval_path = held_out_dataset(args)
+    if not (eval_path := held_out_dataset(args)) and args.eval_every:
+        warnings.warn(f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated.")
     held_out = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
-    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)
     reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
     return tokenizer, prompts, rows, held_out, stop_ids, reward_fns
 
@@ -705,6 +720,7 @@ def check_model_path(path, kind, what):
         problem = "has no tokenizer (no tokenizer.json or tokenizer_config.json)"
     if problem:
         raise SystemExit(f"{what} '{path}' {problem}; pass a {kind} that save_pretrained wrote, with its tokenizer.")
+    return config
 
 @functools.cache
 def reachable(url):
@@ -717,8 +733,7 @@ def reachable(url):
 
 def load_model(model_class, path, args, device, trained, **kwargs):
     """from_pretrained with every choice explicit, then autocast, checkpointing, LoRA and FSDP2 as asked."""
-    # frozen models need no fp32 master weights
-    dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)
+    dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)  # frozen: bf16
     model = model_class.from_pretrained(path, dtype=dtype, use_kernels=False, **kwargs).to(device).eval()
     if args.hub_kernels:  # once on its device: on the CPU, at load time, nothing is replaced
         from kernels import Mode
@@ -783,18 +798,21 @@ def load_reward_models(args, tokenizer, device):
     """(frozen reward model, its own tokenizer) pairs, the tokenizer None where it reads the policy's tokens."""
     pairs = []
     for path in args.reward_model_path:
-        model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
         try:
             own = AutoTokenizer.from_pretrained(path, padding_side="left")
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError):  # none saved: transformers raises, or builds one of special tokens
             own = None
-        # none saved: transformers raises, or builds one that knows only the special tokens
         if own is not None and (set(own.get_vocab()) <= set(own.all_special_tokens)
                                 or own.get_vocab() == tokenizer.get_vocab()):
             own = None
         if own is not None and own.pad_token_id is None:
             own.pad_token = own.eos_token or own.unk_token
-        model.config.pad_token_id = (own or tokenizer).pad_token_id
+        reads, n = own or tokenizer, AutoConfig.from_pretrained(path).vocab_size  # checked before the weights load
+        if reads.pad_token_id is None or len(reads) > n:  # a token to pad with, and ids the model can embed
+            raise SystemExit(f"the tokenizer beside --reward_model_path '{path}' has no pad, EOS or unk token, or more "
+                             f"ids than the model's {n} embeddings; save the one it was trained with beside it.")
+        model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
+        model.config.pad_token_id = reads.pad_token_id
         pairs.append((model, own))
     return pairs
 
@@ -812,9 +830,8 @@ def hold_full_parameters(model, *, hold):
     """While sampling, an FSDP2 policy holds its blocks gathered: one all-gather per rollout, not per token."""
     if isinstance(model, FSDPModule):
         model.set_reshard_after_forward(not hold)  # for every unit
-        for module in model.modules() if not hold else []:
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        for module in [] if hold else [m for m in model.modules() if isinstance(m, FSDPModule)]:
+            module.reshard()
 
 def megabytes_held(models, optimizers):
     """What this process holds of the models' parameters and the optimisers' states, in MB (its FSDP2 shards)."""
@@ -853,8 +870,7 @@ def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperatur
     return STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, temperature)
 
 class StaticDecoder:
-    """generate's decode steps over buffers allocated once and counters on the device: no host sync, so on CUDA a
-    step is captured as a CUDA graph and replayed per token. Attention reads the unused columns with weight 0."""
+    """generate's decode steps on buffers allocated once, counters on the device: on CUDA a step is one CUDA graph."""
     def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
         B, device = logits.shape[0], logits.device
         self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
@@ -928,8 +944,7 @@ class StaticDecoder:
 
 # ---- data
 def read_rows(path, split, args):
-    """The dataset as a list of dicts: a local .json or .jsonl file (a bad line named); a local .csv or .parquet file,
-    or any of them compressed, read by datasets; or a hub dataset."""
+    """The rows (dicts): a local .json/.jsonl file (a bad line named), .csv or .parquet (compressed too), or a hub's."""
     local = re.search(r"\.(jsonl?|csv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
     if local and not os.path.isfile(path):
         raise SystemExit(f"dataset file '{path}' {'is a folder' if os.path.isdir(path) else 'does not exist'}; pass a "
@@ -979,6 +994,8 @@ def load_prompts(path, split, args, tokenizer):
                              "a list of {\"role\", \"content\"} messages.")
         if not (prompt.strip() if isinstance(prompt, str) else any(str(m["content"]).strip() for m in prompt)):
             raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row.")
+        if re.search("[\ud800-\udfff]", str(prompt)):  # half of a UTF-16 pair, which no tokenizer reads
+            raise SystemExit(f"row {n} of '{path}' holds a lone surrogate (half of a UTF-16 pair); fix its text.")
         if (is_chat or args.chat_template) and tokenizer.chat_template is None:
             raise SystemExit(f"row {n} of '{path}' needs a chat template, but the tokenizer of "
                              f"'{args.model_name_or_path}' has none; save one with it, or drop --chat_template.")
@@ -997,8 +1014,7 @@ def load_prompts(path, split, args, tokenizer):
         warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens.")
         prompts = [p[-args.max_prompt_length :] for p in prompts]
     if min(map(len, prompts)) == 0:  # text the tokenizer makes nothing of
-        raise SystemExit(f"row {[len(p) for p in prompts].index(0) + 1} of '{path}' has a prompt of no tokens; remove "
-                         "that row.")
+        raise SystemExit(f"row {[len(p) for p in prompts].index(0) + 1} of '{path}' is a prompt of no tokens; drop it.")
     return prompts, rows
 
 def stop_token_ids(tokenizer, path):
@@ -1010,8 +1026,12 @@ def stop_token_ids(tokenizer, path):
     ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None}
     if tokenizer.chat_template is not None:
         turns = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
-        text = tokenizer.apply_chat_template(turns, tokenize=False)
-        after = tokenizer(text[text.rindex("2") + 1 :], add_special_tokens=False)["input_ids"]
+        try:  # a template that raises, or that leaves the answer out (no "2")
+            text = tokenizer.apply_chat_template(turns, tokenize=False)
+            after = tokenizer(text[text.rindex("2") + 1 :], add_special_tokens=False)["input_ids"]
+        except Exception as e:
+            raise SystemExit(f"the chat template of '{path}' fails on a user turn and its answer ({type(e).__name__}: "
+                             f"{e}); fix it (tokenizer_config.json), or pass a tokenizer without one.")
         if after and after[0] in tokenizer.added_tokens_decoder and tokenizer.added_tokens_decoder[after[0]].special:
             ids.add(after[0])
     return torch.tensor(sorted(ids))
@@ -1029,24 +1049,10 @@ def next_prompts(prompts, state, args, rank):
         state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
     shuffle = torch.Generator().manual_seed(args.seed + state["data_epoch"])
     order = torch.randperm(len(prompts), generator=shuffle).tolist()
-    start = state["data_cursor"]
-    batch = [order[i % len(prompts)] for i in range(start, start + args.rollout_batch_size)]  # all processes'
+    batch = [order[(state["data_cursor"] + i) % len(prompts)] for i in range(args.rollout_batch_size)]  # for all
     state["data_cursor"] += args.rollout_batch_size
     local_batch = args.rollout_batch_size // args.world_size
     return batch[rank * local_batch : (rank + 1) * local_batch], max(len(prompts[i]) for i in batch)
-
-def row_uniforms(rng, rows, args, rank):
-    """This process's rows of uniforms drawn for all: a response never depends on the number of processes."""
-    return torch.rand(rows * args.world_size, args.response_length, generator=rng)[rank * rows : (rank + 1) * rows]
-
-def left_pad(sequences, pad_token_id, device, width=None):
-    """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
-    width = width or max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
-    return ids.to(device), mask.to(device)
 
 # ---- rewards and evaluation
 def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
@@ -1056,8 +1062,7 @@ def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
                                 "score a batch as it scores each response.")
     if bad.any() and not failure:
         i = bad.nonzero()[0, 0].item()
-        prompt = tokenizer.decode(prompt_ids[i], skip_special_tokens=True)
-        which = f"the response {texts[i]!r} to the prompt {prompt!r}"
+        which = f"the response {texts[i]!r} to the prompt {tokenizer.decode(prompt_ids[i], skip_special_tokens=True)!r}"
         if args.on_reward_error == "stop":
             failure = (f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
                        "such responses below the rest of the batch.")
@@ -1100,13 +1105,14 @@ def load_reward_fn(spec):
     if not where or not name.isidentifier():
         raise SystemExit(f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
                          "path/to/file.py:function or package.module:function.")
-    if where.endswith(".py") and not os.path.isfile(where):
-        raise SystemExit(f"--reward_fn {spec}: the file '{where}' does not exist; pass the path of a Python file.")
+    error = None
     try:
         module = reward_module(where) if where.endswith(".py") else pkgutil.resolve_name(where)
     except BaseException as e:  # sys.exit() at import too
-        raise SystemExit(f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or "
-                         "check the module's name and that it is importable from here.")
+        error = (f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the "
+                 "module's name and that it is importable from here.")
+    if error := next((e for e in all_processes(error) if e), None):  # on any process: every one stops, rank 0 says it
+        raise SystemExit(error)
     fn = getattr(module, name, None)
     if not callable(fn):
         raise SystemExit(f"--reward_fn {spec}: '{where}' has no function '{name}'; name one it defines.")
@@ -1130,7 +1136,9 @@ def reward_module(path):
 
 def call_with_alarm(timeout, fn, *inputs):
     """fn(*inputs), interrupted by a TimeoutError every timeout seconds until it ends (SIGALRM: Unix, main thread)."""
-    def ring(signum, frame):
+    def ring(signum, frame):  # the call's worker processes, hung, end with it
+        for child in multiprocessing.active_children():
+            child.kill()
         raise TimeoutError(f"no answer within --reward_timeout {timeout:g} s")
     signal.signal(signal.SIGALRM, ring)
     signal.setitimer(signal.ITIMER_REAL, timeout, timeout)  # again and again: a pool's shutdown may wait too
@@ -1150,9 +1158,7 @@ def call_reward_fn(reward_fn, texts, answers, timeout):
         scores = [float(x) for x in listed]
         large = [x for x in scores if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
         return scores, f"{large[0]:g}, past float32's range" if large else "not a finite number"
-    except TimeoutError as e:  # each response alone could hang as long; the call's hung worker processes end
-        for child in multiprocessing.active_children():
-            child.kill()
+    except TimeoutError as e:  # each response alone could hang as long
         return [float("nan")] * len(texts), f"an error (TimeoutError: {e})"
     except BaseException:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
         scores, errors = [], []
@@ -1163,7 +1169,9 @@ def call_reward_fn(reward_fn, texts, answers, timeout):
         except BaseException as e:
             scores.append(float("nan"))
             errors.append(f"an error ({type(e).__name__}: {e})")
-    return scores, errors[0] if errors else None
+            if isinstance(e, TimeoutError):  # the rest could hang as long
+                break
+    return scores + [float("nan")] * (len(texts) - len(scores)), errors[0] if errors else None
 
 def reward_model_inputs(own_tokenizer, prompts, texts, device):
     """A reward model's own tokens of each prompt and response (through its chat template where it has one)."""
@@ -1180,9 +1188,9 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
     return left_pad(sequences, own_tokenizer.pad_token_id, device)
 
 @torch.no_grad()
-def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, device, stops=None):
+def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state):
     """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
-    (prompts, rows), rank = held_out, dist.get_rank() if dist.is_initialized() else 0
+    (prompts, rows), rank, device = held_out, dist.get_rank() if dist.is_initialized() else 0, stop_ids.device
     uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed))
     # a contiguous share each, the last topped up with uncounted copies of the last prompt: the same batches (FSDP)
     share = -(-len(prompts) // args.world_size)
@@ -1201,7 +1209,8 @@ def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, a
                                           torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
                                           [rows[i] for i in idx], args, stops)[0])
         result[name] = masked_mean(torch.cat(scores), counted).item()
-    return {} if any(isinstance(r, str) for r in stops or []) else result
+    state["eval_due"] = any(isinstance(r, str) for r in stops)  # a reward failed: the resumed run evaluates again
+    return {} if state["eval_due"] else result
 
 # ---- checks and alarms
 def require(args, names, rule, ok):
@@ -1255,7 +1264,15 @@ def check_common_args(args, responses_per_iteration):
                          "captured in a CUDA graph); pass --decode static.")
     if args.mixed_precision and args.model_dtype != "float32":
         raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
-    check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
+    config = check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
+    positions = getattr(config, "max_position_embeddings", None) or float("inf")
+    require(args, ("response_length",), f"plus --max_prompt_length must fit the policy's {positions} positions",
+            lambda v: v + args.max_prompt_length <= positions)
+    if args.lora_r and args.lora_target_modules != ("all-linear",):  # matched as peft does, on a weightless model
+        with torch.device("meta"):
+            names = [name for name, _ in AutoModelForCausalLM.from_config(config).named_modules()]
+        require(args, ("lora_target_modules",), "must each end the name of a module of the policy, or be all-linear",
+                lambda v: all(any(n == t or n.endswith("." + t) for n in names) for t in v))
     for path in args.reward_model_path:
         check_model_path(path, "sequence classifier", "--reward_model_path")
     find_checkpoint(args)
@@ -1314,10 +1331,10 @@ def all_processes(value):
     dist.all_gather_object(values, value)
     return values
 
-def read_json(path=None, text=None):
-    """The JSON in a file (or a text), or None where it is missing or not JSON."""
+def read_json(path):
+    """The JSON in a file, or None where it is missing or not JSON."""
     try:
-        return json.loads(pathlib.Path(path).read_text() if text is None else text)
+        return json.loads(pathlib.Path(path).read_text())
     except (OSError, ValueError):
         return None
 
@@ -1357,17 +1374,17 @@ def checkpoint_damage(path):
         return "it has no manifest.json, as a save cut short or a checkpoint older than manifests"
     manifest = read_json(os.path.join(path, "manifest.json"))
     try:
-        files = {name: (entry["bytes"], entry["sha256"]) for name, entry in manifest["files"].items()}
+        files = {name: entry["sha256"] for name, entry in manifest["files"].items()}
         assert manifest["sha256"] == digest({k: v for k, v in manifest.items() if k != "sha256"})
     except (AssertionError, KeyError, TypeError, AttributeError):
         return "its manifest.json is damaged"
-    for name, (size, _) in sorted(files.items()):
-        if not os.path.isfile(os.path.join(path, name)):
-            return f"{name} is missing"
-        if os.path.getsize(os.path.join(path, name)) != size:
-            return f"{name} has {os.path.getsize(os.path.join(path, name))} bytes, not the {size} it was saved with"
+    named = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))  # a folder renamed, or a manifest of another
+    if named and manifest.get("iteration") != int(named[1]):
+        return f"its name says iteration {named[1]}, its manifest.json and state.json {manifest.get('iteration')}"
+    if missing := [name for name in sorted(files) if not os.path.isfile(os.path.join(path, name))]:
+        return f"{missing[0]} is missing"
     found = file_digests(path, sorted(files))
-    changed = [name for name in sorted(files) if found[name]["sha256"] != files[name][1]]
+    changed = [name for name in sorted(files) if found[name]["sha256"] != files[name]]
     return f"{changed[0]} does not match the checksum it was saved with" if changed else None
 
 def find_checkpoint(args):
@@ -1401,8 +1418,7 @@ def find_checkpoint(args):
                 f"resume from {whole}, the newest whole checkpoint beside it." if whole else
                 "no checkpoint beside it is whole, so start afresh in another --output_dir."))
     if held and not args.resume:
-        which = "an earlier run with these arguments" if checkpoint_identity(held[-1]) == run_identity(args) else \
-            "another run"
+        which = "a run with these arguments" if checkpoint_identity(held[-1]) == run_identity(args) else "another run"
         raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of {which} (the newest: "
                          f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
                          "to start afresh.")
@@ -1438,9 +1454,8 @@ def save_checkpoint(args, models, optimizers, state, rank):
             if here:
                 step()
         except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
-            if isinstance(e, dcp.CheckpointException):  # it wraps each process's error with its traceback
-                e = next(iter(e.failures.values()))
-                e = e[0] if isinstance(e, tuple) else e
+            e = next(iter(e.failures.values())) if isinstance(e, dcp.CheckpointException) else e  # each process's
+            e = e[0] if isinstance(e, tuple) else e  # an error with its traceback
             error = f"{type(e).__name__}: {e}"[:300]
         return next((e for e in all_processes(error) if e), None)
     def begin():  # rank 0: the folder, the log so far, the arguments and the state
@@ -1479,7 +1494,11 @@ def write_failure(what, error, args, needed_mb=None):
 def load_checkpoint(path, models, optimizers):
     """Models and optimisers as saved, for any process count; the state (every draw is seeded by the iteration)."""
     saved, state = trainer_state_dicts(models, optimizers), read_json(os.path.join(path, "state.json"))
-    dcp.load(saved, checkpoint_id=path)
+    try:
+        dcp.load(saved, checkpoint_id=path)
+    except (ValueError, dcp.CheckpointException) as e:  # a model folder that now holds a model of another size
+        raise SystemExit(f"'{path}' could not be loaded into this run's models ({str(e).strip().splitlines()[-1]}); if "
+                         "they changed size, resume with the models it was trained from.")
     for k in models:
         set_state_dict(models[k], optimizers[k], model_state_dict=saved[k]["model"],
                        optim_state_dict=saved[k]["optimizer"])
@@ -1539,8 +1558,7 @@ def step_is_finite(grad_norms, stats, state, iteration, args):
     return state["bad_steps"] == 0
 
 def refuse_non_finite(models, what, args):
-    """Stop every process, rank 0 naming it, when a trained weight holds a nan or an inf (what is refused); one fused
-    reduction over every process's shards."""
+    """Stop every process, rank 0 naming it, when a trained weight holds a nan or an inf: one fused reduction."""
     named = [(f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
              for key, model in models.items() for name, p in model.named_parameters() if p.requires_grad]
     named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
@@ -1610,6 +1628,8 @@ def lock_output_dir(folder):
     except (BlockingIOError, PermissionError):
         raise SystemExit(f"--output_dir '{folder}' is in use by another run ({before}, its {path}); wait for it to "
                          "end, or pass another --output_dir.") from None
+    except OSError as e:  # ENOLCK: a file system without locks (NFS without its lock service)
+        print(f"{path}: this file system cannot lock ({e.strerror}): a second run here would not be refused")
     if before not in ("", me):
         print(f"{path}: {before} has ended; this run takes the folder over")
     f.truncate(0)
@@ -1617,17 +1637,13 @@ def lock_output_dir(folder):
     return f
 
 def resumed_log(checkpoint, metrics):
-    """A resumed run's log: the checkpoint's whole rows; the run's own later lines kept in a side file."""
-    lines = pathlib.Path(checkpoint, "metrics.jsonl").read_text().splitlines(keepends=True)
-    rows = [line for line in lines if line.endswith("\n") and isinstance(read_json(text=line), dict)]  # whole rows
-    if len(rows) < len(lines):
-        print(f"--resume: dropped {len(lines) - len(rows)} line(s) of {checkpoint}/metrics.jsonl that are not whole "
-              "rows (a write cut short)")
+    """A resumed run's log: the checkpoint's rows; the run's own later lines kept in a side file (the first free)."""
+    rows = pathlib.Path(checkpoint, "metrics.jsonl").read_text().splitlines(keepends=True)  # whole: one writer
     own = pathlib.Path(metrics).read_text().splitlines(keepends=True) if os.path.isfile(metrics) else []
     same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
     if own[same:]:
         stem = f"{os.path.splitext(metrics)[0]}.after-{os.path.basename(checkpoint)}"
-        names = [f"{stem}.jsonl", *(f"{stem}-{n}.jsonl" for n in range(2, 9999))]  # the first not taken
+        names = (f"{stem}-{k}.jsonl" if k > 1 else f"{stem}.jsonl" for k in itertools.count(1))
         side = next(name for name in names if not os.path.exists(name))
         pathlib.Path(side).write_text("".join(own[same:]))
         print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
@@ -1655,22 +1671,22 @@ class Log:
 
     def write(self, m, step):
         if self.on:
-            try:
-                self.file.write(json.dumps(m) + "\n")
-                self.file.flush()  # a checkpoint copies the file as it stands
+            try:  # flushed: a checkpoint copies the file as it stands
+                print(json.dumps(m), file=self.file, flush=True)
             except OSError as e:
                 raise SystemExit(write_failure(f"writing {self.file.name}", f"{type(e).__name__}: {e}", self.args))
             if self.wandb:
                 self.wandb.log(m, step=step)
 
-    def before_training(self, evaluation):
-        """The starting policy's held-out score, logged as iteration 0 (none when a reward failed)."""
+    def evaluation(self, evaluation, state):
+        """A held-out score in a row of its own: the starting policy's, or one a failed reward left to the resume."""
         if evaluation:
-            m = {"iteration": 0, "episodes": 0, **evaluation, "time/elapsed": time.time() - self.t_start}
+            m = {"iteration": state["iteration"], "episodes": state["episodes"], **evaluation,
+                 "time/elapsed": time.time() - self.t_start}
             if self.on:
-                print(f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy "
-                      f"{m['eval/score_greedy']:+.3f}", flush=True)
-            self.write(m, step=0)
+                print(f"iter {m['iteration']} ({'redone' if m['iteration'] else 'before training'}) | held-out score "
+                      f"sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
+            self.write(m, step=state["episodes"])
 
     def iteration(self, m, state, prompt_ids, texts, scores):
         """The alarms, the printed line, the bar, the log; sample rows (prompt, response, score) now and then."""
@@ -1693,8 +1709,7 @@ class Log:
             if iteration % args.log_samples_every == 0 or iteration == 1:
                 prompts = self.tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True)
                 samples = list(zip(prompts, texts[:3], scores[:3].tolist()))
-                for p, r, s in samples:
-                    print(f"    {s:+.2f} | {p!r} -> {r!r}")
+                print("\n".join(f"    {s:+.2f} | {p!r} -> {r!r}" for p, r, s in samples))
                 if self.wandb:
                     table = self.wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])
                     self.wandb.log({"samples": table}, step=state["episodes"])
@@ -1737,7 +1752,6 @@ def finish(policy, tokenizer, log, state, args, rank):
     log.progress.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-
 
 if __name__ == "__main__":
     try:

@@ -185,7 +185,7 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("no_such_file.py:reward", "the file 'no_such_file.py' does not exist"),
+    ("no_such_file.py:reward", "'no_such_file.py' could not be loaded \\(FileNotFoundError"),
     ("{tmp}/rule.py:missing", "has no function 'missing'"),
     ("{tmp}/rule.py:one_argument", r"cannot be called as one_argument\(responses, answers\)"),
     ("{tmp}/broken.py:reward", "could not be loaded \\(ZeroDivisionError"),

@@ -3,6 +3,7 @@ process pools, calls sys.exit, changes its inputs, hangs or returns the wrong th
 linked back. Each case is
 compared with what must happen: one run refused in one sentence, the same run bitwise, the same metrics as the
 function called in-process."""
+import errno
 import gzip
 import json
 import os
@@ -18,9 +19,11 @@ import torch
 from transformers import AutoTokenizer
 
 import grpo
-from helpers import ROOT, run_script
-from test_robustness import (ENV, assert_bitwise_equal, cli, failing_reward, final_state, launch, read_rows, wait_for,
-                             without_timing)
+import ppo
+from helpers import ROOT, run_script, torchrun
+from test_robustness import (ENV, TINY, assert_bitwise_equal, cli, failing_reward, final_state, launch, read_rows,
+                             run_as_found, tiny_args, wait_for, without_timing)
+from test_robustness import small_held_out_set, uninterrupted  # noqa: F401 (fixtures: the same tiny runs)
 
 
 # ---------------------------------------------------------------- one run per folder
@@ -78,6 +81,47 @@ def test_a_reward_failing_in_iteration_1_resumes_bitwise(script, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torch.distributed is disabled" not in result.stderr  # a plain run's checkpoint is one process's, as meant
     assert without_timing(read_rows(out)) == without_timing(full)
+    assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
+
+
+def resume_as_printed(printed, checkpoint):
+    """The command a stopped run printed, which must resume the given checkpoint, run as printed."""
+    command = printed.split("to go on:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"--resume {checkpoint}"), command
+    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def merged(rows):
+    """A log's rows with each iteration's rows joined (a redone evaluation has a row of its own), time aside."""
+    joined = {}
+    for row in without_timing(rows):
+        joined.setdefault(row["iteration"], {}).update(row)
+    return list(joined.values())
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
+def test_a_reward_failing_in_an_evaluation_is_evaluated_again_on_resume(script, which, tmp_path):
+    """The grading service goes away during the evaluation of the starting policy (its first call), or during the
+    last one (after 2 calls for iteration 0's two passes and 6 iterations): the run stops with the checkpoint of the
+    policy the evaluation was of, and the resumed run evaluates it again. Its log, with the redone evaluation's row
+    joined to its iteration's, and its final weights and Adam states are those of the run whose reward never failed."""
+    held_out = tmp_path / "test.jsonl"  # 8 prompts: one call of the rule per pass (sampled, greedy)
+    held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:8]))
+    args = [*cli(script), *ARITHMETIC, "--eval_every", "100", "--save_every", "100", "--eval_dataset", str(held_out),
+            "--eval_batch_size", "8"]
+    full, _ = run_script(script, tmp_path / "full", *args)
+    assert [r["iteration"] for r in full if "eval/score" in r] == [0, 6]
+    out, (from_batch, iteration) = tmp_path / "run", {"first": (1, 0), "last": (9, 6)}[which]
+    proc = launch(script, out, args, prelude=failing_reward(tmp_path, from_batch, rank=0))
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1 and f"stopped after iteration {iteration}; to go on:" in printed, printed[-3000:]
+    printed = resume_as_printed(printed, out / f"checkpoint-{iteration}")
+    assert f"iter {iteration} ({'redone' if iteration else 'before training'}) | held-out score" in printed
+    assert merged(read_rows(out)) == without_timing(full)
     assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
 
 
@@ -305,3 +349,145 @@ def test_a_null_answer_for_a_built_in_rule_is_refused(tmp_path):
                                          "\\(or a null\\) 'answer'"):
         grpo.load_task(args, torch.device("cpu"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_timeout():
+    """The batch's call raises, and each response alone then hangs: the first single call that times out ends the
+    retries (before, each of the B responses waited its own timeout), and every score is a failure."""
+    calls = []
+    def grader(responses, answers):
+        calls.append(len(responses))
+        if len(responses) > 1:
+            raise ValueError("batch unsupported")
+        time.sleep(30)
+    scores, why = grpo.call_reward_fn(grader, ["a", "b", "c"], [1, 2, 3], timeout=0.5)
+    assert calls == [3, 1] and all(s != s for s in scores) and len(scores) == 3
+    assert why == "an error (TimeoutError: no answer within --reward_timeout 0.5 s)"
+
+
+# ---------------------------------------------------------------- every input checked before loading
+
+def test_a_checkpoint_whose_name_disagrees_with_its_manifest_is_not_resumed(tmp_path, uninterrupted):
+    """checkpoint-3 copied to checkpoint-7 (the iteration in its name, and the log would go 1-3 then 8): --resume auto
+    passes over it to checkpoint-6, and naming it is refused with the reason."""
+    out = run_as_found(tmp_path, uninterrupted)
+    shutil.copytree(out / "checkpoint-3", out / "checkpoint-7")
+    args = tiny_args("ppo.py", out, resume="auto")
+    ppo.validate(args)
+    assert args.resume == str(out / "checkpoint-6")
+    with pytest.raises(SystemExit, match=r"checkpoint-7' is damaged: its name says iteration 7, its manifest.json and "
+                                         r"state.json 3; resume from .*checkpoint-6"):
+        ppo.validate(tiny_args("ppo.py", out, resume=str(out / "checkpoint-7")))
+
+
+def test_lengths_past_the_policys_positions_and_lora_targets_it_lacks_are_refused_before_loading(tmp_path):
+    """The embedded policy has 128 positions and Llama's module names."""
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit, match=r"^--response_length plus --max_prompt_length must fit the policy's 128 "
+                                         r"positions \(got 65\)\.$"):
+        grpo.validate(grpo.Args(output_dir=out, max_prompt_length=64, response_length=65))
+    grpo.validate(grpo.Args(output_dir=out, max_prompt_length=64, response_length=64))  # 128 fit
+    with pytest.raises(SystemExit, match=r"^--lora_target_modules must each end the name of a module of the policy, "
+                                         r"or be all-linear \(got \('q_proj', 'qkv'\)\)\.$"):
+        grpo.validate(grpo.Args(output_dir=out, lora_r=4, lora_target_modules=("q_proj", "qkv")))
+    grpo.validate(grpo.Args(output_dir=out, lora_r=4, lora_target_modules=("q_proj", "mlp.down_proj")))
+    assert not os.path.exists(out)
+
+
+def test_a_lone_surrogate_and_a_broken_chat_template_are_named(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "\\ud83d+1=", "answer": 2}\n')  # JSON's half an emoji
+    with pytest.raises(SystemExit, match=r"row 2 of .* holds a lone surrogate \(half of a UTF-16 pair\); fix its text"):
+        grpo.load_prompts(str(data), "train", grpo.Args(), tokenizer)
+    for template, error in (("{{ raise_exception('no system role') }}", "no system role"),
+                            ("{% for m in messages %}<|{{ m['role'] }}|>{% endfor %}", "substring not found")):
+        tokenizer.chat_template = template  # one that raises; one that leaves the assistant's answer out
+        with pytest.raises(SystemExit, match=rf"the chat template of 'here' fails on a user turn and its answer "
+                                             rf"\(.*{error}.*\); fix it"):
+            grpo.stop_token_ids(tokenizer, "here")
+
+
+def test_a_template_that_raises_is_named_before_the_chat_prompts_are_rendered(tmp_path):
+    """load_task tries the template before it renders any prompt with it."""
+    policy = tmp_path / "policy"
+    shutil.copytree(os.path.join(ROOT, "assets", "tiny-sft"), policy)
+    config = json.loads((policy / "tokenizer_config.json").read_text())
+    (policy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ raise_exception('x') }}"}))
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": 2}) + "\n")
+    args = grpo.Args(model_name_or_path=str(policy), dataset=str(data), eval_every=0, output_dir=str(tmp_path / "run"))
+    with pytest.raises(SystemExit, match="the chat template of .* fails on a user turn and its answer"):
+        grpo.load_task(args, torch.device("cpu"))
+
+
+def test_reward_model_tokenizers_without_a_pad_or_with_ids_past_the_embeddings_are_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    policy = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    for name, specials, vocab in (("no-pad", {}, 784), ("too-many", {"pad_token": "<p>"}, 2)):
+        rm = tmp_path / name
+        shutil.copytree(os.path.join(ROOT, "assets", "tiny-rm"), rm)
+        for f in rm.glob("*token*"):
+            f.unlink()
+        words = {w: i for i, w in enumerate(["<p>", *(f"w{i}" for i in range(9))])}
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words)), **specials).save_pretrained(rm)
+        config = json.loads((rm / "config.json").read_text())
+        (rm / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+        args = grpo.Args(reward_model_path=(str(rm),))
+        with pytest.raises(SystemExit, match=rf"the tokenizer beside --reward_model_path '{rm}' has no pad, EOS or unk "
+                                             rf"token, or more ids than the model's {vocab} embeddings; save the one"):
+            grpo.load_reward_models(args, policy, torch.device("cpu"))
+
+
+def test_a_resume_onto_a_policy_of_another_size_is_refused_in_one_sentence(tmp_path):
+    """The policy's folder, after the run, holds a model of another width: the checkpoint cannot be loaded into it,
+    and the resume says so instead of DCP's traceback."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    policy, out = tmp_path / "policy", tmp_path / "run"
+    shutil.copytree(os.path.join(ROOT, "assets", "tiny-sft"), policy)
+    run_script("grpo.py", out, *cli("grpo.py", total_episodes=8), "--model_name_or_path", str(policy))
+    config = AutoConfig.from_pretrained(policy)
+    config.hidden_size, config.intermediate_size = 2 * config.hidden_size, 2 * config.intermediate_size
+    AutoModelForCausalLM.from_config(config).save_pretrained(policy)
+    args = grpo.Args(**{**TINY["grpo.py"], "total_episodes": 16}, model_name_or_path=str(policy), output_dir=str(out),
+                     resume="auto")
+    with pytest.raises(SystemExit, match=rf"^'{out / 'checkpoint-1'}' could not be loaded into this run's models "
+                                         r"\(ValueError: Size mismatch .*\); if they changed size, resume with the "
+                                         r"models it was trained from\.$"):
+        grpo.main(args)
+
+
+def test_a_reward_file_that_fails_on_one_process_stops_both_and_says_why_once(tmp_path):
+    rule = tmp_path / "rule.py"
+    rule.write_text("import os\n"
+                    "if os.environ['RANK'] == '1':\n"
+                    "    raise RuntimeError('no grader on this node')\n"
+                    "def score(responses, answers):\n"
+                    "    return [0.0] * len(responses)\n")
+    result = torchrun("grpo.py", tmp_path / "run", *cli("grpo.py"), "--reward_fn", f"{rule}:score",
+                      "--reward_model_path")
+    assert result.returncode != 0
+    said = f"--reward_fn {rule}:score: '{rule}' could not be loaded (RuntimeError: no grader on this node)"
+    assert result.stderr.count(said) == 1, result.stderr[-3000:]
+    assert "Connection closed by peer" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_eval_every_without_a_held_out_set_is_said(tmp_path):
+    data = tmp_path / "prompts.jsonl"  # no test.jsonl beside it, and no --eval_dataset
+    data.write_text('{"prompt": "1+1=", "answer": 2}\n')
+    with pytest.warns(UserWarning, match="--eval_every 5: no held-out set \\(pass --eval_dataset\\); nothing is "
+                                         "evaluated"):
+        held_out = grpo.load_task(grpo.Args(dataset=str(data), eval_every=5), torch.device("cpu"))[3]
+    assert held_out == ([], [])
+
+
+def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    def no_locks(fd, cmd, length):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(os, "lockf", no_locks)
+    lock = grpo.lock_output_dir(str(tmp_path))
+    assert "this file system cannot lock (No locks available): a second run here would not be refused" in \
+        capsys.readouterr().out
+    assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
+    lock.close()

@@ -580,22 +580,20 @@ def test_a_run_resumed_past_a_damaged_checkpoint_is_the_same_run(tmp_path, unint
     assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == "".join(own_log[4:])  # iterations 4-6
 
 
-def test_a_resumed_log_drops_a_row_cut_short_and_keeps_the_rest_aside(tmp_path, uninterrupted, capsys):
+def test_a_resumed_log_keeps_the_runs_own_later_rows_in_the_first_free_side_file(tmp_path, uninterrupted):
+    """Resumed from checkpoint-3 twice over: each time the log goes back to the checkpoint's rows, and the rows the run
+    wrote after them go aside, the second time into a file of their own: nothing is overwritten."""
     out = run_as_found(tmp_path, uninterrupted)
-    checkpoint = out / "checkpoint-3"
-    whole = (checkpoint / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (checkpoint / "metrics.jsonl").write_text("".join(whole) + whole[-1][:25])  # saved with a last line cut short
-    os.remove(checkpoint / "manifest.json")
-    ppo.write_manifest(str(checkpoint), tiny_args("ppo.py", out), 3, rank=0)  # as it was saved: whole, by its manifest
-    args = tiny_args("ppo.py", out, resume=str(checkpoint))
-    ppo.validate(args)
-    own_log = (out / "metrics.jsonl").read_text()
-    ppo.resumed_log(args.resume, str(out / "metrics.jsonl"))
-    printed = capsys.readouterr().out
-    assert (out / "metrics.jsonl").read_text() == "".join(whole)  # the checkpoint's rows, each whole
-    assert f"dropped 1 line(s) of {checkpoint}/metrics.jsonl that are not whole rows" in printed
-    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log[len("".join(whole)):]
-    assert "".join(whole) + (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log  # nothing lost
+    checkpoint, metrics = out / "checkpoint-3", out / "metrics.jsonl"
+    whole = (checkpoint / "metrics.jsonl").read_text()
+    own_log = metrics.read_text()  # the held-out row 0, iterations 1-6
+    for later, side in ((own_log, "metrics.after-checkpoint-3.jsonl"), (whole + '{"iteration": 4}\n',
+                                                                         "metrics.after-checkpoint-3-2.jsonl")):
+        metrics.write_text(later)
+        ppo.resumed_log(str(checkpoint), str(metrics))
+        assert metrics.read_text() == whole
+        assert (out / side).read_text() == later[len(whole):]
+    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log[len(whole):]  # the first kept as it was
 
 
 def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, uninterrupted):
@@ -614,7 +612,7 @@ def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, 
     with pytest.raises(SystemExit, match=rf"holds the checkpoints of another run, and resuming "
                                          rf"'{re.escape(str(elsewhere))}' there would mix them with its own"):
         ppo.main(tiny_args("ppo.py", out, resume=str(elsewhere)))
-    with pytest.raises(SystemExit, match=r"holds the checkpoints of an earlier run with these arguments"):
+    with pytest.raises(SystemExit, match=r"holds the checkpoints of a run with these arguments"):
         ppo.main(tiny_args("ppo.py", out))  # the same run started again without --resume
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
