@@ -491,3 +491,37 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
         capsys.readouterr().out
     assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
     lock.close()
+
+
+def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
+    """Under torchrun the grader hangs on rank 1 only, at its second call: rank 1's alarm makes it a reward failure,
+    and the stop reaches rank 0 too. Both save checkpoint-1 (the state before the hung rollout), and rank 0 names the
+    timeout and prints the torchrun command that goes on."""
+    rule = tmp_path / "rule.py"
+    rule.write_text("import os, time\n"
+                    "calls = []\n"
+                    "def score(responses, answers):\n"
+                    "    calls.append(1)\n"
+                    "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
+                    "        time.sleep(600)\n"
+                    "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n")
+    out = tmp_path / "run"
+    start = time.time()
+    result = torchrun("grpo.py", out, *cli("grpo.py"), "--dataset", ARITHMETIC[1], "--reward_fn", f"{rule}:score",
+                      "--reward_model_path", "--eval_every", "0", "--reward_timeout", "3")
+    assert result.returncode != 0 and time.time() - start < 300
+    assert "is an error (TimeoutError: no answer within --reward_timeout 3 s)" in result.stderr, result.stderr[-3000:]
+    assert "stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 " in result.stdout
+    assert os.listdir(out / "checkpoint-1") and not grpo.checkpoint_damage(str(out / "checkpoint-1"))
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
+def test_the_seed_help_says_what_the_code_does(script):
+    """Every process seeds its generators with --seed itself (torch.manual_seed(args.seed) in main, the sampling
+    generators from seed and iteration alone): the help must not say a rank is added."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=ROOT, env=ENV,
+                            capture_output=True, text=True, timeout=120)
+    text = " ".join(result.stdout.split())
+    seed_help = text[text.index("--seed"):][:200]
+    assert "the same on every process" in seed_help and "rank" not in seed_help
+    assert "torch.manual_seed(args.seed)" in open(os.path.join(ROOT, script)).read()
