@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 import grpo
 import ppo
-from helpers import ROOT, run_script, torchrun
+from helpers import ROOT, TORCHRUN, run_script, torchrun
 from test_robustness import (ENV, TINY, assert_bitwise_equal, cli, failing_reward, final_state, launch, read_rows,
                              run_as_found, tiny_args, wait_for, without_timing)
 from test_robustness import small_held_out_set, uninterrupted  # noqa: F401 (fixtures: the same tiny runs)
@@ -525,3 +525,30 @@ def test_the_seed_help_says_what_the_code_does(script):
     seed_help = text[text.index("--seed"):][:200]
     assert "the same on every process" in seed_help and "rank" not in seed_help
     assert "torch.manual_seed(args.seed)" in open(os.path.join(ROOT, script)).read()
+
+
+def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp_path):
+    """SIGTERM to torchrun while rank 1's grader hangs: torchrun passes it to both processes, rank 1 leaves the hung
+    call when its alarm rings (within --reward_timeout), and the stop reaches rank 0: both save checkpoint-1, well
+    before torchrun's own 30 s grace would kill them."""
+    rule = tmp_path / "rule.py"
+    rule.write_text("import os, time\n"
+                    "calls = []\n"
+                    "def score(responses, answers):\n"
+                    "    calls.append(1)\n"
+                    "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
+                    f"        open({str(tmp_path / 'hanging')!r}, 'w').close()\n"
+                    "        time.sleep(600)\n"
+                    "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n")
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*TORCHRUN, os.path.join(ROOT, "grpo.py"), "--output_dir", str(out), *cli("grpo.py"),
+                             "--dataset", ARITHMETIC[1], "--reward_fn", f"{rule}:score", "--reward_model_path",
+                             "--eval_every", "0", "--reward_timeout", "5"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: os.path.exists(tmp_path / "hanging"), proc)
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    printed = proc.communicate(timeout=120)[0]
+    assert time.time() - start < 25, printed[-3000:]
+    assert "SIGTERM: stopping to save a checkpoint" in printed and "stopped after iteration 1" in printed
+    assert not grpo.checkpoint_damage(str(out / "checkpoint-1"))
