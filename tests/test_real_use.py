@@ -74,12 +74,8 @@ def test_a_reward_failing_in_iteration_1_resumes_bitwise(script, tmp_path):
     proc = launch(script, out, args, prelude=failing_reward(tmp_path, 1, rank=0))
     printed = proc.communicate(timeout=240)[0]
     assert proc.returncode == 1 and "stopped after iteration 0; to go on:" in printed, printed[-3000:]
-    command = printed.split("to go on:\n")[1].splitlines()[0].strip()
-    assert command.endswith(f"--resume {out / 'checkpoint-0'}")
-    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
-                            text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "torch.distributed is disabled" not in result.stderr  # a plain run's checkpoint is one process's, as meant
+    printed = resume_as_printed(printed, out / "checkpoint-0")
+    assert "torch.distributed is disabled" not in printed  # a plain run's checkpoint is one process's, as meant
     assert without_timing(read_rows(out)) == without_timing(full)
     assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
 
@@ -493,19 +489,26 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
     lock.close()
 
 
-def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
-    """Under torchrun the grader hangs on rank 1 only, at its second call: rank 1's alarm makes it a reward failure,
-    and the stop reaches rank 0 too. Both save checkpoint-1 (the state before the hung rollout), and rank 0 names the
-    timeout and prints the torchrun command that goes on."""
+def hangs_on_rank_1(tmp_path):
+    """A reward file whose rule (the arithmetic one) hangs on rank 1 at its second call, after leaving a file named
+    "hanging" in tmp_path."""
     rule = tmp_path / "rule.py"
     rule.write_text("import os, time\n"
                     "calls = []\n"
                     "def score(responses, answers):\n"
                     "    calls.append(1)\n"
                     "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
+                    f"        open({str(tmp_path / 'hanging')!r}, 'w').close()\n"
                     "        time.sleep(600)\n"
                     "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n")
-    out = tmp_path / "run"
+    return rule
+
+
+def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
+    """Under torchrun the grader hangs on rank 1 only, at its second call: rank 1's alarm makes it a reward failure,
+    and the stop reaches rank 0 too. Both save checkpoint-1 (the state before the hung rollout), and rank 0 names the
+    timeout and prints the torchrun command that goes on."""
+    rule, out = hangs_on_rank_1(tmp_path), tmp_path / "run"
     start = time.time()
     result = torchrun("grpo.py", out, *cli("grpo.py"), "--dataset", ARITHMETIC[1], "--reward_fn", f"{rule}:score",
                       "--reward_model_path", "--eval_every", "0", "--reward_timeout", "3")
@@ -531,16 +534,7 @@ def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp
     """SIGTERM to torchrun while rank 1's grader hangs: torchrun passes it to both processes, rank 1 leaves the hung
     call when its alarm rings (within --reward_timeout), and the stop reaches rank 0: both save checkpoint-1, well
     before torchrun's own 30 s grace would kill them."""
-    rule = tmp_path / "rule.py"
-    rule.write_text("import os, time\n"
-                    "calls = []\n"
-                    "def score(responses, answers):\n"
-                    "    calls.append(1)\n"
-                    "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
-                    f"        open({str(tmp_path / 'hanging')!r}, 'w').close()\n"
-                    "        time.sleep(600)\n"
-                    "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n")
-    out = tmp_path / "run"
+    rule, out = hangs_on_rank_1(tmp_path), tmp_path / "run"
     proc = subprocess.Popen([*TORCHRUN, os.path.join(ROOT, "grpo.py"), "--output_dir", str(out), *cli("grpo.py"),
                              "--dataset", ARITHMETIC[1], "--reward_fn", f"{rule}:score", "--reward_model_path",
                              "--eval_every", "0", "--reward_timeout", "5"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
