@@ -26,11 +26,29 @@ Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --
 models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, every model sharded with FSDP2).
 """
 
-import functools, hashlib, importlib.util, inspect, itertools, json, math, multiprocessing, os, pathlib, pkgutil, re
-import shlex, shutil, signal, socket, sys, tempfile, time, warnings
+import functools
+import hashlib
+import importlib.util
+import inspect
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import pathlib
+import pkgutil
+import re
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
-from typing import Literal, Optional
+from typing import Literal
 from urllib.parse import urlparse
 
 import torch
@@ -38,28 +56,39 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
 from huggingface_hub import constants as hub_constants
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grad_norm_
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          GenerationConfig)
+from tqdm import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
 from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging as hf_logging
-from tqdm import tqdm
 
 # >>> shared: running alone
 try:  # the fused log-softmax-gather of this file's repository (rlhf_kernels/): no float32 copy of the logits
     from rlhf_kernels import token_logprobs
 except ImportError:  # this file copied alone: the same log-probs from plain torch (start_processes says so)
+
     def token_logprobs(logits, tokens, temperature=1.0, return_entropy=False, check_range=True):
         """log softmax(logits / temperature) (..., V) at tokens (...), in float32, and the entropy (...)."""
         logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (..., V)
         chosen = logp.gather(-1, tokens[..., None]).squeeze(-1)  # (...)
         entropy = -(logp.exp() * logp.clamp(min=-1e4)).sum(-1)  # the clamp: 0 * -inf would be nan
         return (chosen, entropy) if return_entropy else chosen
+
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")  # the embedded example, beside this file
 # <<< shared: running alone
@@ -96,7 +125,7 @@ class Args:
     """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
     clip_range: float = 0.2
     """epsilon of the clipped surrogate: ratios are held inside [1-eps, 1+eps]"""
-    value_model_path: Optional[str] = None
+    value_model_path: str | None = None
     """where the critic is initialised from; default: the first reward model, else the policy"""
     shared_backbone: bool = False
     """the critic as a scalar head on the policy's own trunk: one model fewer, one trunk pass for both in training"""
@@ -131,7 +160,7 @@ class Args:
     """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
     dataset_split: str = "train"
     """split of a hub --dataset"""
-    dataset_config: Optional[str] = None
+    dataset_config: str | None = None
     """configuration of a hub --dataset and --eval_dataset, for those that have several (openai/gsm8k: main)"""
     prompt_field: str = "prompt"
     """the dataset column holding the prompts: text, or chat messages (a list of {"role", "content"})"""
@@ -163,7 +192,7 @@ class Args:
     """weight of the entropy bonus (c2, 0 to 0.01)"""
 
     # evaluation and logging
-    eval_dataset: Optional[str] = None
+    eval_dataset: str | None = None
     """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
     eval_split: str = "test"
     """split of a hub --eval_dataset"""
@@ -191,7 +220,7 @@ class Args:
     """write a checkpoint every this many iterations, and always at the end and on SIGTERM or Ctrl-C"""
     keep_checkpoints: int = 2
     """how many of the newest checkpoints to keep in --output_dir"""
-    resume: Optional[str] = None
+    resume: str | None = None
     """continue from a checkpoint folder, or 'auto': the newest one in --output_dir (none there: start afresh)"""
     max_bad_steps: int = 3
     """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
@@ -253,6 +282,8 @@ def masked_var(x, mask):
     """Biased variance of x over valid entries of the whole (global) batch: a 0-d tensor."""
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
+
+
 # <<< shared: batch statistics
 
 
@@ -267,6 +298,8 @@ def policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
     return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
+
+
 # <<< shared: clipped surrogate
 
 
@@ -337,8 +370,11 @@ def normalize_scores(score, state, batch_count):
     ones = torch.ones_like(score)
     batch_mean, batch_var = masked_mean(score, ones).item(), masked_var(score, ones).item()
     state["score_mean"], state["score_var"], state["score_count"] = update_moments(
-        state["score_mean"], state["score_var"], state["score_count"], batch_mean, batch_var, float(batch_count))
+        state["score_mean"], state["score_var"], state["score_count"], batch_mean, batch_var, float(batch_count)
+    )
     return (score - state["score_mean"]) / (state["score_var"] ** 0.5 + 1e-8)
+
+
 # <<< shared: running moments
 
 
@@ -367,8 +403,12 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
     """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
     0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
     an exp of it in a KL estimate or a ratio would turn the masked sum into inf * 0 = nan. Masked before any exp."""
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask),
-                    logits_to_keep=input_ids.shape[1] - prompt_length + 1).logits  # the LM head on the last T + 1 only
+    logits = policy(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        logits_to_keep=input_ids.shape[1] - prompt_length + 1,
+    ).logits  # the LM head on the last T + 1 only
     out = token_logprobs(logits[:, :-1], input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
     valid = attention_mask[:, prompt_length:].bool()  # (B, T)
     return tuple(torch.where(valid, x, 0.0) for x in out) if return_entropy else torch.where(valid, out, 0.0)
@@ -384,8 +424,10 @@ def cut_padding(batch, P):
     the real tokens keep their position ids, so every forward gives them the same outputs."""
     L = batch["attention_mask"].shape[1]
     start, last = batch["attention_mask"].any(0).nonzero()[[0, -1], 0].tolist()  # the first and last used columns
-    return {k: v if v.dim() == 1 else v[:, start : last + 1] if v.shape[1] == L else v[:, : last + 1 - P]
-            for k, v in batch.items()}, P - start
+    return {
+        k: v if v.dim() == 1 else v[:, start : last + 1] if v.shape[1] == L else v[:, : last + 1 - P]
+        for k, v in batch.items()
+    }, P - start
 
 
 def in_chunks(forward, size, input_ids, attention_mask, P):
@@ -417,14 +459,19 @@ def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_m
     rm_scores = []  # K x (B,)
     for rm, own_tokenizer in reward_models:
         if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
-            values = in_chunks(lambda i, m, p: head_outputs(rm, i, m)[:, p:], args.micro_batch_size, input_ids,
-                               attention_mask, P)  # (B, T)
+            values = in_chunks(
+                lambda i, m, p: head_outputs(rm, i, m)[:, p:], args.micro_batch_size, input_ids, attention_mask, P
+            )  # (B, T)
             rm_scores.append(values[torch.arange(len(texts)), last])
         else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
-            ids, mask = reward_model_inputs(own_tokenizer, [row[args.prompt_field] for row in rows], texts,
-                                            input_ids.device)
-            rm_scores.append(in_chunks(lambda i, m, p: head_outputs(rm, i, m)[:, -1:], args.micro_batch_size, ids, mask,
-                                       ids.shape[1] - 1)[:, 0])
+            ids, mask = reward_model_inputs(
+                own_tokenizer, [row[args.prompt_field] for row in rows], texts, input_ids.device
+            )
+            rm_scores.append(
+                in_chunks(
+                    lambda i, m, p: head_outputs(rm, i, m)[:, -1:], args.micro_batch_size, ids, mask, ids.shape[1] - 1
+                )[:, 0]
+            )
     rules, why = {}, "not a finite number"  # {name: (B,) its scores, nan where it failed}
     for name, fn in reward_fns:
         scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows], args.reward_timeout)
@@ -433,8 +480,9 @@ def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_m
             why = reason and (f"{reason} (--reward_fn {name})" if len(reward_fns) > 1 else reason)
     weighted = [w * x for w, x in zip(args.reward_weights or [1.0] * len(rules), rules.values())]
     rule_scores = functools.reduce(torch.add, weighted) if rules else None  # (B,)
-    score, errors = failed_rewards(combine_scores(rm_scores, rule_scores), why, texts, tokenizer, input_ids[:, :P],
-                                   args, stops)
+    score, errors = failed_rewards(
+        combine_scores(rm_scores, rule_scores), why, texts, tokenizer, input_ids[:, :P], args, stops
+    )
     logged = {"objective/accuracy": rule_scores, **{f"reward/{k}": x for k, x in rules.items() if len(rules) > 1}}
     return score, {k: x.nan_to_num(0.0) for k, x in logged.items()} if rules else {}, texts, errors
 
@@ -457,8 +505,17 @@ def sample_token(logits, uniforms, temperature):
 
 
 @torch.no_grad()
-def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms=None,
-             decode="dynamic"):
+def generate(
+    policy,
+    prompt_ids,
+    prompt_mask,
+    max_new_tokens,
+    temperature,
+    stop_ids,
+    pad_token_id,
+    uniforms=None,
+    decode="dynamic",
+):
     """Sample responses (B, T) to left-padded prompts (B, P) with a KV cache, with the log-prob of each token from the
     logits it was drawn from (logprobs_old) and the mask up to and including its stop token. Token t of row b is drawn
     by uniforms[b, t], drawn beforehand so that no response depends on its batch (none: greedy). --decode static and
@@ -467,13 +524,20 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
     cache, attention_mask = DynamicCache(), prompt_mask
     unique, copies = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     ids, mask = unique.tensor_split([prompt_ids.shape[1]], 1)  # (U, P) each: the U prompts unlike the row before
-    logits = policy(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), cache=cache,
-                    use_cache=True, logits_to_keep=1).logits[copies, -1]  # the last position's alone: (B, V)
+    logits = policy(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids_from(mask),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[copies, -1]  # the last position's alone: (B, V)
     cache.reorder_cache(copies)  # a group's prompt encoded once, its keys and values repeated for its rows: (B, ...)
     next_position = position_ids_from(prompt_mask)[:, -1:] + 1  # (B, 1)
     if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
-        return static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id,
-                             uniforms, decode)
+        return static_decode(
+            policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms, decode
+        )
     done = torch.zeros_like(prompt_ids[:, 0], dtype=torch.bool)  # (B,)
     tokens, logprobs, masks = [], [], []
     for step in range(max_new_tokens):
@@ -485,17 +549,25 @@ def generate(policy, prompt_ids, prompt_mask, max_new_tokens, temperature, stop_
         if done.all() or step == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        out = policy(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position,
-                     cache=cache, use_cache=True)
+        out = policy(
+            input_ids=tokens[-1][:, None],
+            attention_mask=attention_mask,
+            position_ids=next_position,
+            cache=cache,
+            use_cache=True,
+        )
         logits, next_position = out.logits[:, -1], next_position + 1
     hold_full_parameters(policy, hold=False)
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+
+
 # <<< shared: forward passes
 
 
 class ValueHead(torch.nn.Module):
     """--shared_backbone: the critic as a head `score` on the policy's trunk, a model fewer (the risk: the value loss
     reaches the trunk the policy samples from). Trained on the log-prob forward's trunk output (hooked at the head)."""
+
     _no_split_modules = []  # FSDP2: the head is one unit of its own (the policy's blocks are the policy's)
 
     def __init__(self, policy):
@@ -522,20 +594,29 @@ def build_models(args, tokenizer, device):
         if dist.is_initialized():
             shard(value_model, args)
         return policy, ref_policy, reward_models, value_model
-    if any(own is not None and path == args.value_model_path
-           for (_, own), path in zip(reward_models, args.reward_model_path)):
-        raise SystemExit(f"the critic would start from the reward model '{args.value_model_path}', whose tokenizer "
-                         "differs from the policy's; pass --value_model_path with a model of the policy's tokenizer.")
-    value_model = load_model(AutoModelForSequenceClassification, args.value_model_path, args, device, trained=True,
-                             num_labels=1)
+    if any(
+        own is not None and path == args.value_model_path
+        for (_, own), path in zip(reward_models, args.reward_model_path)
+    ):
+        raise SystemExit(
+            f"the critic would start from the reward model '{args.value_model_path}', whose tokenizer "
+            "differs from the policy's; pass --value_model_path with a model of the policy's tokenizer."
+        )
+    value_model = load_model(
+        AutoModelForSequenceClassification, args.value_model_path, args, device, trained=True, num_labels=1
+    )
     value_model.config.pad_token_id = tokenizer.pad_token_id
     return policy, ref_policy, reward_models, value_model
 
 
 def validate(args):
     """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
-    require(args, ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target",
-                   "kl_horizon"), "must be positive", lambda v: v > 0)
+    require(
+        args,
+        ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target", "kl_horizon"),
+        "must be positive",
+        lambda v: v > 0,
+    )
     require(args, ("kl_coef", "vf_coef"), "must be zero or more", lambda v: v >= 0)
     require(args, ("gamma", "lam"), "must lie in [0, 1]", lambda v: 0 <= v <= 1)
     if args.value_model_path is None:
@@ -545,10 +626,20 @@ def validate(args):
 
 
 # What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
-PRINTED = [("score", "objective/score", "+.3f"), ("acc", "objective/accuracy", ".3f"), ("kl", "objective/kl", ".2f"),
-           ("beta", "objective/kl_coef", ".3f"), ("len", "response/length", ".1f"), ("eos", "response/eos_rate", ".2f"),
-           ("d2", "response/distinct2", ".2f"), ("ent", "policy/entropy", ".2f"), ("clip", "policy/clipfrac", ".3f"),
-           ("vloss", "val/loss", ".3f"), ("ev", "val/explained_variance", ".2f"), ("held-out", "eval/score", "+.3f")]
+PRINTED = [
+    ("score", "objective/score", "+.3f"),
+    ("acc", "objective/accuracy", ".3f"),
+    ("kl", "objective/kl", ".2f"),
+    ("beta", "objective/kl_coef", ".3f"),
+    ("len", "response/length", ".1f"),
+    ("eos", "response/eos_rate", ".2f"),
+    ("d2", "response/distinct2", ".2f"),
+    ("ent", "policy/entropy", ".2f"),
+    ("clip", "policy/clipfrac", ".3f"),
+    ("vloss", "val/loss", ".3f"),
+    ("ev", "val/explained_variance", ".2f"),
+    ("held-out", "eval/score", "+.3f"),
+]
 
 
 def main(args):
@@ -563,18 +654,36 @@ def main(args):
     args.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
     models = {"policy": policy, "value": value_model}
-    optimizers = {k: torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-5, fused=True)
-                  for (k, m), lr in zip(models.items(), (args.learning_rate, args.value_learning_rate))}
+    optimizers = {
+        k: torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-5, fused=True)
+        for (k, m), lr in zip(models.items(), (args.learning_rate, args.value_learning_rate))
+    }
     all_models = [policy, ref_policy, *[rm for rm, _ in reward_models], value_model]
     # Everything besides the models and optimisers that a resumed run needs, in one place.
-    state = load_checkpoint(args.resume, models, optimizers) if args.resume else dict(
-        iteration=0, episodes=0, data_epoch=0, data_cursor=0, kl_coef=args.kl_coef, score_mean=0.0, score_var=1.0,
-        score_count=0.0, alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
+    state = (
+        load_checkpoint(args.resume, models, optimizers)
+        if args.resume
+        else dict(
+            iteration=0,
+            episodes=0,
+            data_epoch=0,
+            data_cursor=0,
+            kl_coef=args.kl_coef,
+            score_mean=0.0,
+            score_var=1.0,
+            score_count=0.0,
+            alarms_on=[],
+            bad_steps=0,
+            skipped_steps=0,
+            elapsed=0.0,
+        )
+    )
     # >>> shared: outputs and the starting policy's held-out score
     log, stops = Log(args, state, rank, tokenizer), catch_stop_signals()
     if held_out[0] and state.setdefault("eval_due", not args.resume):  # iteration 0's, or one a failed reward left
-        log.evaluation(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state),
-                       state)
+        log.evaluation(
+            evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state), state
+        )
         stop_and_save(stops, args, models, optimizers, state, rank, device)
     # <<< shared: outputs and the starting policy's held-out score
 
@@ -589,13 +698,22 @@ def main(args):
         # >>> shared: generate and score
         rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
         uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
-        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
-                                                          args.temperature, stop_ids, tokenizer.pad_token_id, uniforms,
-                                                          args.decode)  # (B, T) each
+        responses, logprobs_old, response_mask = generate(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            args.response_length,
+            args.temperature,
+            stop_ids,
+            tokenizer.pad_token_id,
+            uniforms,
+            args.decode,
+        )  # (B, T) each
         input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
         t_generate = time.time() - t0
         raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
-            reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+            reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops
+        )
         has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) the tokens the loss reads
         stop_and_save(stops, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
@@ -606,19 +724,44 @@ def main(args):
             score = torch.where(has_eos | args.mask_truncated, score, score - args.missing_eos_penalty)
 
             # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
-            logprobs_ref = in_chunks(lambda i, m, p: response_logprobs(ref_policy, i, m, p, args.temperature),
-                                     args.micro_batch_size, input_ids, attention_mask, P) * response_mask  # (B, T)
-            values_old = in_chunks(lambda i, m, p: head_outputs(value_model, i, m)[:, p - 1 : -1],  # V(s_t) before t
-                                   args.micro_batch_size, input_ids, attention_mask, P) * response_mask  # (B, T)
+            logprobs_ref = (
+                in_chunks(
+                    lambda i, m, p: response_logprobs(ref_policy, i, m, p, args.temperature),
+                    args.micro_batch_size,
+                    input_ids,
+                    attention_mask,
+                    P,
+                )
+                * response_mask
+            )  # (B, T)
+            values_old = (
+                in_chunks(
+                    lambda i, m, p: head_outputs(value_model, i, m)[:, p - 1 : -1],  # V(s_t) before t
+                    args.micro_batch_size,
+                    input_ids,
+                    attention_mask,
+                    P,
+                )
+                * response_mask
+            )  # (B, T)
             rewards, kl = per_token_rewards(score, logprobs_old, logprobs_ref, response_mask, state["kl_coef"])
             advantages, returns = gae_advantages(rewards, values_old, response_mask, args.gamma, args.lam)
             raw_advantages, advantages = advantages, masked_whiten(advantages, response_mask)
         t_score = time.time() - t0 - t_generate
 
         # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
-        rollout = gather_rows(dict(input_ids=input_ids, attention_mask=attention_mask, response_mask=response_mask,
-                                   logprobs_old=logprobs_old, advantages=advantages, values_old=values_old,
-                                   returns=returns, train_mask=train_mask))
+        rollout = gather_rows(
+            dict(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                response_mask=response_mask,
+                logprobs_old=logprobs_old,
+                advantages=advantages,
+                values_old=values_old,
+                returns=returns,
+                train_mask=train_mask,
+            )
+        )
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
         adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
         for epoch in range(args.num_epochs):
@@ -632,21 +775,35 @@ def main(args):
                 for micro_idx in by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):  # sorted
                     micro, p = cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # cut: (micro, p + T')
                     mask = micro["train_mask"].float()  # (micro, T')
-                    logprobs, entropy = response_logprobs(policy, micro["input_ids"], micro["attention_mask"], p,
-                                                          args.temperature, return_entropy=True)  # (micro, T') each
+                    logprobs, entropy = response_logprobs(
+                        policy, micro["input_ids"], micro["attention_mask"], p, args.temperature, return_entropy=True
+                    )  # (micro, T') each
                     if args.shared_backbone:  # the trunk's output of the forward just above: no second pass
                         values = value_model(hidden=value_model.trunk_output).squeeze(-1).float()[:, :-1]
                     else:
                         values = head_outputs(value_model, micro["input_ids"], micro["attention_mask"])[:, p - 1 : -1]
-                    pg_loss, ratio, pg_clipped = policy_loss(logprobs, micro["logprobs_old"], micro["advantages"],
-                                                             args.clip_range, args.clip_range)
-                    vf_loss, vf_clipped = value_loss(values, micro["values_old"], micro["returns"],
-                                                     args.value_clip_range)
+                    pg_loss, ratio, pg_clipped = policy_loss(
+                        logprobs, micro["logprobs_old"], micro["advantages"], args.clip_range, args.clip_range
+                    )
+                    vf_loss, vf_clipped = value_loss(
+                        values, micro["values_old"], micro["returns"], args.value_clip_range
+                    )
                     loss = ((pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy) * mask).sum() / mb_tokens
                     loss.backward()  # under FSDP2, also sums the gradients over the processes
-                    add_token_stats(stats, mask, ratio, logprobs, micro["logprobs_old"], {
-                        "policy/loss": pg_loss, "val/loss": vf_loss, "policy/entropy": entropy,
-                        "policy/clipfrac": pg_clipped, "val/clipfrac": vf_clipped})
+                    add_token_stats(
+                        stats,
+                        mask,
+                        ratio,
+                        logprobs,
+                        micro["logprobs_old"],
+                        {
+                            "policy/loss": pg_loss,
+                            "val/loss": vf_loss,
+                            "policy/entropy": entropy,
+                            "policy/clipfrac": pg_clipped,
+                            "val/clipfrac": vf_clipped,
+                        },
+                    )
                 # >>> shared: optimiser step
                 grad_norms = {k: clip_grad_norm_(m.parameters(), args.max_grad_norm) for k, m in models.items()}
                 if step_is_finite(grad_norms, stats, state, iteration, args):  # a nan or inf gradient: no step
@@ -662,24 +819,44 @@ def main(args):
         # --- 6. the dashboard: batch statistics over all processes ---
         # >>> shared: dashboard
         state["iteration"], state["episodes"] = iteration, state["episodes"] + responses_per_iteration
-        m = dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, rollout, P, reward_errors,
-                      (t0, t_generate, t_score, t_optimize), all_models, optimizers, responses_per_iteration, args)
+        m = dashboard(
+            stats,
+            state,
+            raw_score,
+            rule_scores,
+            has_eos,
+            response_mask,
+            rollout,
+            P,
+            reward_errors,
+            (t0, t_generate, t_score, t_optimize),
+            all_models,
+            optimizers,
+            responses_per_iteration,
+            args,
+        )
         # <<< shared: dashboard
         seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
         var_residual, var_returns = (masked_var(x, response_mask).item() for x in (returns - values_old, returns))
-        m.update({"objective/score_normalized": global_mean(score), "objective/kl": global_mean(seq_kl),
-                  "objective/kl_coef": state["kl_coef"],
-                  "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
-                  "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
-                  "val/explained_variance": 1 - var_residual / max(var_returns, 1e-8),
-                  "val/mean": masked_mean(values_old, response_mask).item(),
-                  "adv/mean": masked_mean(raw_advantages, response_mask).item(),
-                  "adv/std": masked_var(raw_advantages, response_mask).item() ** 0.5})
+        m.update(
+            {
+                "objective/score_normalized": global_mean(score),
+                "objective/kl": global_mean(seq_kl),
+                "objective/kl_coef": state["kl_coef"],
+                "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
+                "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
+                "val/explained_variance": 1 - var_residual / max(var_returns, 1e-8),
+                "val/mean": masked_mean(values_old, response_mask).item(),
+                "adv/mean": masked_mean(raw_advantages, response_mask).item(),
+                "adv/std": masked_var(raw_advantages, response_mask).item() ** 0.5,
+            }
+        )
 
         # --- 7. the adaptive KL controller steps on the measured KL of this rollout ---
         if args.adaptive_kl:
-            state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], m["objective/kl"], args.kl_target, args.kl_horizon,
-                                                args.rollout_batch_size)
+            state["kl_coef"] = adaptive_kl_coef(
+                state["kl_coef"], m["objective/kl"], args.kl_target, args.kl_horizon, args.rollout_batch_size
+            )
 
         # --- 8. held-out score, alarms for the classic failure modes, the log; 9. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
@@ -696,6 +873,7 @@ def main(args):
 
 
 # ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above ========
+
 
 # ---- processes, the task and loading
 def start_processes(args):
@@ -714,6 +892,7 @@ def start_processes(args):
         print("rlhf_kernels (the fused log-prob kernel) was not found: log-probs come from the plain torch path")
     return rank, device
 
+
 def load_task(args, device):
     """The tokenizer, prompts and rows, held-out (prompts, rows), stop tokens and rule reward, before any model."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
@@ -730,6 +909,7 @@ def load_task(args, device):
     reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
     return tokenizer, prompts, rows, held_out, stop_ids, reward_fns
 
+
 def check_model_path(path, kind, what):
     """One sentence, before anything loads, for a path that is not a model of its kind ('model': any)."""
     if not os.path.isdir(path) and not hub_constants.HF_HUB_OFFLINE and not reachable(hub_constants.ENDPOINT):
@@ -739,8 +919,10 @@ def check_model_path(path, kind, what):
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
-                         "written by save_pretrained or a hub model name (the hub needs the network).")
+        raise SystemExit(
+            f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
+            "written by save_pretrained or a hub model name (the hub needs the network)."
+        )
     archs, files = config.architectures or [], os.listdir(path) if os.path.isdir(path) else None
     heads = {"causal LM": ("ForCausalLM", "LMHeadModel"), "sequence classifier": ("ForSequenceClassification",)}
     problem = None
@@ -756,6 +938,7 @@ def check_model_path(path, kind, what):
         raise SystemExit(f"{what} '{path}' {problem}; pass a {kind} that save_pretrained wrote, with its tokenizer.")
     return config
 
+
 @functools.cache
 def reachable(url):
     """Whether url's server answers within seconds (the hub, wandb), so that without a network a run says so at once."""
@@ -765,12 +948,14 @@ def reachable(url):
     except OSError:
         return False
 
+
 def load_model(model_class, path, args, device, trained, **kwargs):
     """from_pretrained with every choice explicit, then autocast, checkpointing, LoRA and FSDP2 as asked."""
     dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)  # frozen: bf16
     model = model_class.from_pretrained(path, dtype=dtype, use_kernels=False, **kwargs).to(device).eval()
     if args.hub_kernels:  # once on its device: on the CPU, at load time, nothing is replaced
         from kernels import Mode
+
         model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
     model.requires_grad_(trained)
     if args.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy under torchrun
@@ -784,18 +969,27 @@ def load_model(model_class, path, args, device, trained, **kwargs):
             block.training = True
     if args.lora_r and trained:  # the base frozen, the adapters (and a classifier's head) trained
         from peft import get_peft_model
+
         task_type = "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS"
         model = get_peft_model(model, lora_config(args, task_type)).eval()
     if dist.is_initialized() and (trained or not args.replicate_frozen):
         shard(model, args)
     return model
 
+
 def lora_config(args, task_type):
     """The adapters of --lora_r (peft)."""
     from peft import LoraConfig
+
     targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=targets, task_type=task_type)
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        task_type=task_type,
+    )
+
 
 def adapter_dropout(models, *, on):
     """--lora_dropout, the one exception to eval mode, on for the update alone (first ratios then 1 on average)."""
@@ -804,8 +998,10 @@ def adapter_dropout(models, *, on):
             if "lora_dropout" in name.split(".") and isinstance(module, torch.nn.Dropout):
                 module.train(on)
 
+
 class AdaptersOff(torch.nn.Module):
     """The reference under LoRA: the policy with its adapters off (held outside the registry: no weights of its own)."""
+
     def __init__(self, policy):
         super().__init__()
         self.__dict__["policy"] = policy
@@ -814,19 +1010,27 @@ class AdaptersOff(torch.nn.Module):
         with self.policy.disable_adapter():
             return self.policy(**inputs)
 
+
 def load_reference(args, policy, device):
     """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
-    return AdaptersOff(policy) if args.lora_r else load_model(AutoModelForCausalLM, args.model_name_or_path, args,
-                                                               device, trained=False)
+    return (
+        AdaptersOff(policy)
+        if args.lora_r
+        else load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+    )
+
 
 def lora_policy_to_save(weights, args):
     """Under LoRA, the policy to save: the base with the adapters merged in, or --save_adapters_only's adapters."""
     from peft import get_peft_model
-    base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=getattr(torch, args.model_dtype),
-                                                use_kernels=False)
+
+    base = AutoModelForCausalLM.from_pretrained(
+        args.model_name_or_path, dtype=getattr(torch, args.model_dtype), use_kernels=False
+    )
     model = get_peft_model(base, lora_config(args, "CAUSAL_LM"))
     model.load_state_dict(weights)
     return model if args.save_adapters_only else model.merge_and_unload()
+
 
 def load_reward_models(args, tokenizer, device):
     """(frozen reward model, its own tokenizer) pairs, the tokenizer None where it reads the policy's tokens."""
@@ -836,19 +1040,23 @@ def load_reward_models(args, tokenizer, device):
             own = AutoTokenizer.from_pretrained(path, padding_side="left")
         except (OSError, ValueError, TypeError):  # none saved: transformers raises, or builds one of special tokens
             own = None
-        if own is not None and (set(own.get_vocab()) <= set(own.all_special_tokens)
-                                or own.get_vocab() == tokenizer.get_vocab()):
+        if own is not None and (
+            set(own.get_vocab()) <= set(own.all_special_tokens) or own.get_vocab() == tokenizer.get_vocab()
+        ):
             own = None
         if own is not None and own.pad_token_id is None:
             own.pad_token = own.eos_token or own.unk_token
         reads, n = own or tokenizer, AutoConfig.from_pretrained(path).vocab_size  # checked before the weights load
         if reads.pad_token_id is None or len(reads) > n:  # a token to pad with, and ids the model can embed
-            raise SystemExit(f"the tokenizer beside --reward_model_path '{path}' has no pad, EOS or unk token, or more "
-                             f"ids than the model's {n} embeddings; save the one it was trained with beside it.")
+            raise SystemExit(
+                f"the tokenizer beside --reward_model_path '{path}' has no pad, EOS or unk token, or more "
+                f"ids than the model's {n} embeddings; save the one it was trained with beside it."
+            )
         model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
         model.config.pad_token_id = reads.pad_token_id
         pairs.append((model, own))
     return pairs
+
 
 # ---- FSDP2
 def shard(model, args):
@@ -860,6 +1068,7 @@ def shard(model, args):
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
 
+
 def hold_full_parameters(model, *, hold):
     """While sampling, an FSDP2 policy holds its blocks gathered: one all-gather per rollout, not per token."""
     if isinstance(model, FSDPModule):
@@ -867,11 +1076,13 @@ def hold_full_parameters(model, *, hold):
         for module in [] if hold else [m for m in model.modules() if isinstance(m, FSDPModule)]:
             module.reshard()
 
+
 def megabytes_held(models, optimizers):
     """What this process holds of the models' parameters and the optimisers' states, in MB (its FSDP2 shards)."""
     states = [x for o in optimizers for s in o.state.values() for x in s.values() if torch.is_tensor(x)]
     tensors = [p for m in models for p in m.parameters()] + states
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors) / 2**20
+
 
 def gather_rows(tensors):
     """The whole rollout on every process: each tensor's rows of all processes, right-padded with zeros (masked)."""
@@ -887,11 +1098,14 @@ def gather_rows(tensors):
         gathered[key] = torch.cat(parts)
     return gathered
 
+
 # ---- static cache and CUDA graphs
 STATIC_DECODERS = {}  # (policy, batch, sampling settings) -> StaticDecoder, kept from call to call
 
-def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms,
-                  decode):
+
+def static_decode(
+    policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms, decode
+):
     """generate's decode steps from its prefill on buffers of fixed shape: a StaticDecoder per batch size, grown."""
     B, P = prompt_mask.shape
     stop_ids = torch.as_tensor(stop_ids, device=logits.device).view(-1)  # (S,), from one id too
@@ -903,8 +1117,10 @@ def static_decode(policy, cache, logits, prompt_mask, max_new_tokens, temperatur
         STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs)
     return STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, temperature)
 
+
 class StaticDecoder:
     """generate's decode steps on buffers allocated once, counters on the device: on CUDA a step is one CUDA graph."""
+
     def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
         B, device = logits.shape[0], logits.device
         self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
@@ -916,8 +1132,10 @@ class StaticDecoder:
         self.position = torch.zeros(B, 1, **long)  # (B, 1) of the token fed next
         self.step, self.column = torch.zeros(1, **long), torch.zeros(1, **long)  # t, drawn next; P + t, its column
         self.done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-        self.tokens, self.logprobs, self.masks = (torch.zeros(B, max_new_tokens, dtype=dtype, device=device)  # (B, T)
-                                                  for dtype in (torch.long, torch.float32, torch.bool))
+        self.tokens, self.logprobs, self.masks = (
+            torch.zeros(B, max_new_tokens, dtype=dtype, device=device)  # (B, T)
+            for dtype in (torch.long, torch.float32, torch.bool)
+        )
 
     def run(self, policy, cache, logits, prompt_mask, uniforms, temperature):
         """The steps from generate's prefill on, for prompts (B, P); returns what generate returns."""
@@ -957,8 +1175,10 @@ class StaticDecoder:
                 self.step_once(policy, *sampling)
             self.graphs[sampling] = graph
         except RuntimeError as e:  # a layer that reads a value on the host (a routed MoE's expert list, say)
-            warnings.warn(f"the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); it runs "
-                          "op by op, as with --decode static.")
+            warnings.warn(
+                f"the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); it runs "
+                "op by op, as with --decode static."
+            )
 
     def step_once(self, policy, temperature, greedy):
         """Draw every row's token t, record it, and feed it to the policy: the body of generate's loop."""
@@ -970,28 +1190,46 @@ class StaticDecoder:
         self.logprobs.index_copy_(1, self.step, torch.where(self.done, 0.0, logprob)[:, None])
         self.done |= (token[:, None] == self.stop_ids).any(-1)  # isin, without the sort a capture may not hold
         self.attention_mask.index_fill_(1, self.column, 1)
-        out = policy(input_ids=fed[:, None], attention_mask=self.attention_mask, position_ids=self.position,
-                     cache=self.cache, use_cache=True)
+        out = policy(
+            input_ids=fed[:, None],
+            attention_mask=self.attention_mask,
+            position_ids=self.position,
+            cache=self.cache,
+            use_cache=True,
+        )
         self.logits.copy_(out.logits[:, -1])
         for counter in (self.position, self.step, self.column):
             counter.add_(1)
+
 
 # ---- data
 def read_rows(path, split, args):
     """The rows (dicts): a local .json/.jsonl file (a bad line named), .csv or .parquet (compressed too), or a hub's."""
     local = re.search(r"\.(jsonl?|csv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
     if local and not os.path.isfile(path):
-        raise SystemExit(f"dataset file '{path}' {'is a folder' if os.path.isdir(path) else 'does not exist'}; pass a "
-                         f"file of {{\"{args.prompt_field}\": ...}} rows (.jsonl, .csv, .parquet) or a hub dataset.")
+        raise SystemExit(
+            f"dataset file '{path}' {'is a folder' if os.path.isdir(path) else 'does not exist'}; pass a "
+            f'file of {{"{args.prompt_field}": ...}} rows (.jsonl, .csv, .parquet) or a hub dataset.'
+        )
     if not local or local[2] or local[1].lower() in ("csv", "parquet"):
         from datasets import load_dataset
+
         try:  # a local file by its kind, as datasets names them (json, csv, parquet)
-            return list(load_dataset(local[1].lower().rstrip("l"), data_files=path, split="train") if local else
-                        load_dataset(path, args.dataset_config, split=split))
+            return list(
+                load_dataset(local[1].lower().rstrip("l"), data_files=path, split="train")
+                if local
+                else load_dataset(path, args.dataset_config, split=split)
+            )
         except Exception as e:  # datasets wraps a file's errors in its own
-            raise SystemExit(f"{'dataset file' if local else 'hub dataset'} '{path}' could not be loaded "
-                             f"({type(e).__name__}: {e}); check " + ("its contents." if local else
-                             f"its name, the split '{split}', --dataset_config {args.dataset_config} and the network."))
+            raise SystemExit(
+                f"{'dataset file' if local else 'hub dataset'} '{path}' could not be loaded "
+                f"({type(e).__name__}: {e}); check "
+                + (
+                    "its contents."
+                    if local
+                    else f"its name, the split '{split}', --dataset_config {args.dataset_config} and the network."
+                )
+            )
     raw = pathlib.Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -1007,6 +1245,7 @@ def read_rows(path, split, args):
             raise SystemExit(f"line {number + e.lineno - 1} of '{path}' is not valid JSON ({e.msg}); fix that line.")
     return rows
 
+
 def load_prompts(path, split, args, tokenizer):
     """A dataset's prompts tokenised once and its rows (dicts), every row checked before any model loads."""
     rows = read_rows(path, split, args)
@@ -1015,41 +1254,60 @@ def load_prompts(path, split, args, tokenizer):
     for n, row in enumerate(rows, 1):
         has = list(row) if isinstance(row, dict) else []
         if args.prompt_field not in has:
-            raise SystemExit(f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
-                             f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts.")
+            raise SystemExit(
+                f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
+                f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts."
+            )
         if REWARD_FNS.keys() & set(args.reward_fn) and row.get(args.answer_field) is None:  # yours may need none
-            raise SystemExit(f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
-                             f"'{path}' has no (or a null) '{args.answer_field}' (it has {has}); pass --answer_field.")
+            raise SystemExit(
+                f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
+                f"'{path}' has no (or a null) '{args.answer_field}' (it has {has}); pass --answer_field."
+            )
         prompt = row[args.prompt_field]
-        is_chat = isinstance(prompt, list) and len(prompt) > 0 and all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        is_chat = (
+            isinstance(prompt, list)
+            and len(prompt) > 0
+            and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        )
         if not isinstance(prompt, str) and not is_chat:
-            raise SystemExit(f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
-                             "a list of {\"role\", \"content\"} messages.")
+            raise SystemExit(
+                f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
+                'a list of {"role", "content"} messages.'
+            )
         if not (prompt.strip() if isinstance(prompt, str) else any(str(m["content"]).strip() for m in prompt)):
             raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row.")
         if re.search("[\ud800-\udfff]", str(prompt)):  # half of a UTF-16 pair, which no tokenizer reads
             raise SystemExit(f"row {n} of '{path}' holds a lone surrogate (half of a UTF-16 pair); fix its text.")
         if (is_chat or args.chat_template) and tokenizer.chat_template is None:
-            raise SystemExit(f"row {n} of '{path}' needs a chat template, but the tokenizer of "
-                             f"'{args.model_name_or_path}' has none; save one with it, or drop --chat_template.")
+            raise SystemExit(
+                f"row {n} of '{path}' needs a chat template, but the tokenizer of "
+                f"'{args.model_name_or_path}' has none; save one with it, or drop --chat_template."
+            )
     texts = [row[args.prompt_field] for row in rows]  # chat (with --chat_template, every prompt) through the template
-    texts = [t if isinstance(t, str) and not args.chat_template else tokenizer.apply_chat_template(
-        [{"role": "user", "content": t}] if isinstance(t, str) else t, add_generation_prompt=True, tokenize=False)
-        for t in texts]
+    texts = [
+        t
+        if isinstance(t, str) and not args.chat_template
+        else tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}] if isinstance(t, str) else t, add_generation_prompt=True, tokenize=False
+        )
+        for t in texts
+    ]
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
         longest = max(too_long, key=lambda i: len(prompts[i]))
-        raise SystemExit(f"{len(too_long)} prompts of '{path}' are longer than --max_prompt_length "
-                         f"{args.max_prompt_length} (the first is row {too_long[0] + 1}; the longest, row "
-                         f"{longest + 1}, has {len(prompts[longest])} tokens); raise it, or pass --truncate_prompts.")
+        raise SystemExit(
+            f"{len(too_long)} prompts of '{path}' are longer than --max_prompt_length "
+            f"{args.max_prompt_length} (the first is row {too_long[0] + 1}; the longest, row "
+            f"{longest + 1}, has {len(prompts[longest])} tokens); raise it, or pass --truncate_prompts."
+        )
     if too_long:
         warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens.")
         prompts = [p[-args.max_prompt_length :] for p in prompts]
     if min(map(len, prompts)) == 0:  # text the tokenizer makes nothing of
         raise SystemExit(f"row {[len(p) for p in prompts].index(0) + 1} of '{path}' is a prompt of no tokens; drop it.")
     return prompts, rows
+
 
 def stop_token_ids(tokenizer, path):
     """The tokens that end a response: the EOS, the generation_config's, and the chat template's end of turn."""
@@ -1064,11 +1322,14 @@ def stop_token_ids(tokenizer, path):
             text = tokenizer.apply_chat_template(turns, tokenize=False)
             after = tokenizer(text[text.rindex("2") + 1 :], add_special_tokens=False)["input_ids"]
         except Exception as e:
-            raise SystemExit(f"the chat template of '{path}' fails on a user turn and its answer ({type(e).__name__}: "
-                             f"{e}); fix it (tokenizer_config.json), or pass a tokenizer without one.")
+            raise SystemExit(
+                f"the chat template of '{path}' fails on a user turn and its answer ({type(e).__name__}: "
+                f"{e}); fix it (tokenizer_config.json), or pass a tokenizer without one."
+            )
         if after and after[0] in tokenizer.added_tokens_decoder and tokenizer.added_tokens_decoder[after[0]].special:
             ids.add(after[0])
     return torch.tensor(sorted(ids))
+
 
 def held_out_dataset(args):
     """--eval_dataset, else the test.jsonl beside a local train.jsonl --dataset; None with --eval_every 0 or none."""
@@ -1076,6 +1337,7 @@ def held_out_dataset(args):
         return args.eval_dataset if args.eval_every else None
     beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
     return beside if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside) else None
+
 
 def next_prompts(prompts, state, args, rank):
     """This process's prompts (dataset indices) from one shuffled order per epoch, and the longest on any process."""
@@ -1088,18 +1350,27 @@ def next_prompts(prompts, state, args, rank):
     local_batch = args.rollout_batch_size // args.world_size
     return batch[rank * local_batch : (rank + 1) * local_batch], max(len(prompts[i]) for i in batch)
 
+
 # ---- rewards and evaluation
 def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
     """Scores (B,) that are not finite stop the run (in stops), or go below the batch's lowest; with their count."""
     bad = ~torch.isfinite(score)
-    failure = None if why else ("the reward function raises on the whole batch but on no single response; make it "
-                                "score a batch as it scores each response.")
+    failure = (
+        None
+        if why
+        else (
+            "the reward function raises on the whole batch but on no single response; make it "
+            "score a batch as it scores each response."
+        )
+    )
     if bad.any() and not failure:
         i = bad.nonzero()[0, 0].item()
         which = f"the response {texts[i]!r} to the prompt {tokenizer.decode(prompt_ids[i], skip_special_tokens=True)!r}"
         if args.on_reward_error == "stop":
-            failure = (f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
-                       "such responses below the rest of the batch.")
+            failure = (
+                f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
+                "such responses below the rest of the batch."
+            )
         elif bad.all():  # no valid score to put them below
             failure = f"every response of the batch failed its reward ({which} is {why}); fix the reward function."
         else:
@@ -1110,26 +1381,32 @@ def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
         stops.append(failure)
     return score, int(bad.sum())
 
+
 def distinct_n(sequences, n):
     """Distinct-n: unique n-grams over all n-grams in a batch of token lists (1.0 = no repetition)."""
     ngrams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
     return len(set(ngrams)) / max(len(ngrams), 1)
 
+
 def arithmetic_reward(responses, answers):
     """Rule reward: 1 when the response, stripped, is exactly the answer, else 0."""
     return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+
 
 def last_number(text):
     """The last number written in a text ('1,234', '-5', '2.50'), as a float; None when there is none."""
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     return float(numbers[-1].replace(",", "")) if numbers else None
 
+
 def gsm8k_reward(responses, answers):
     """Rule reward for GSM8K: 1 when the response's last number is the reference's final one (after '####')."""
     truths = [last_number(str(a).split("####")[-1]) for a in answers]
     return [float(last_number(r) is not None and last_number(r) == t) for r, t in zip(responses, truths)]
 
+
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
+
 
 def load_reward_fn(spec):
     """A --reward_fn: a built-in, file.py:function or module:function, fn(texts, answers) -> a float each."""
@@ -1137,14 +1414,18 @@ def load_reward_fn(spec):
         return REWARD_FNS[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name.isidentifier():
-        raise SystemExit(f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
-                         "path/to/file.py:function or package.module:function.")
+        raise SystemExit(
+            f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
+            "path/to/file.py:function or package.module:function."
+        )
     error = None
     try:
         module = reward_module(where) if where.endswith(".py") else pkgutil.resolve_name(where)
     except BaseException as e:  # sys.exit() at import too
-        error = (f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the "
-                 "module's name and that it is importable from here.")
+        error = (
+            f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the "
+            "module's name and that it is importable from here."
+        )
     if error := next((e for e in all_processes(error) if e), None):  # on any process: every one stops, rank 0 says it
         raise SystemExit(error)
     fn = getattr(module, name, None)
@@ -1153,11 +1434,14 @@ def load_reward_fn(spec):
     try:
         inspect.signature(fn).bind(["a response"], ["its answer"])
     except TypeError:
-        raise SystemExit(f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, "
-                         "answers); it must take the response texts and their answers and return a score each.")
+        raise SystemExit(
+            f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, "
+            "answers); it must take the response texts and their answers and return a score each."
+        )
     except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
         pass
     return fn
+
 
 @functools.cache  # a user's file is run once, when the arguments are checked, and the same module used after
 def reward_module(path):
@@ -1168,18 +1452,22 @@ def reward_module(path):
     found.loader.exec_module(module)
     return module
 
+
 def call_with_alarm(timeout, fn, *inputs):
     """fn(*inputs), interrupted by a TimeoutError every timeout seconds until it ends (SIGALRM: Unix, main thread)."""
+
     def ring(signum, frame):  # the call's worker processes, hung, end with it
         for child in multiprocessing.active_children():
             child.kill()
         raise TimeoutError(f"no answer within --reward_timeout {timeout:g} s")
+
     signal.signal(signal.SIGALRM, ring)
     signal.setitimer(signal.ITIMER_REAL, timeout, timeout)  # again and again: a pool's shutdown may wait too
     try:
         return fn(*inputs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+
 
 def call_reward_fn(reward_fn, texts, answers, timeout):
     """The rule's scores (nan where none) and why they failed: each response alone when the batch's call raises."""
@@ -1207,6 +1495,7 @@ def call_reward_fn(reward_fn, texts, answers, timeout):
                 break
     return scores + [float("nan")] * (len(texts) - len(scores)), errors[0] if errors else None
 
+
 def reward_model_inputs(own_tokenizer, prompts, texts, device):
     """A reward model's own tokens of each prompt and response (through its chat template where it has one)."""
     sequences = []
@@ -1220,6 +1509,7 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
             prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
             sequences.append(own_tokenizer(prompt + text)["input_ids"])
     return left_pad(sequences, own_tokenizer.pad_token_id, device)
+
 
 @torch.no_grad()
 def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state):
@@ -1236,15 +1526,34 @@ def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, a
         for start in range(0, share, args.eval_batch_size):
             idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.eval_batch_size]]
             prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
-            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, args.response_length,
-                                                   args.temperature, stop_ids, tokenizer.pad_token_id,
-                                                   None if greedy else uniforms[idx].to(device), args.decode)
-            scores.append(score_responses(reward_models, reward_fns, tokenizer, torch.cat([prompt_ids, responses], 1),
-                                          torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
-                                          [rows[i] for i in idx], args, stops)[0])
+            responses, _, response_mask = generate(
+                policy,
+                prompt_ids,
+                prompt_mask,
+                args.response_length,
+                args.temperature,
+                stop_ids,
+                tokenizer.pad_token_id,
+                None if greedy else uniforms[idx].to(device),
+                args.decode,
+            )
+            scores.append(
+                score_responses(
+                    reward_models,
+                    reward_fns,
+                    tokenizer,
+                    torch.cat([prompt_ids, responses], 1),
+                    torch.cat([prompt_mask, response_mask], 1),
+                    prompt_ids.shape[1],
+                    [rows[i] for i in idx],
+                    args,
+                    stops,
+                )[0]
+            )
         result[name] = masked_mean(torch.cat(scores), counted).item()
     state["eval_due"] = any(isinstance(r, str) for r in stops)  # a reward failed: the resumed run evaluates again
     return {} if state["eval_due"] else result
+
 
 # ---- checks and alarms
 def require(args, names, rule, ok):
@@ -1253,37 +1562,73 @@ def require(args, names, rule, ok):
         if not ok(getattr(args, name)):
             raise SystemExit(f"--{name} {rule} (got {getattr(args, name)}).")
 
+
 def check_common_args(args, responses_per_iteration):
     """The checks every script shares. Nothing is created here: a run that cannot start leaves nothing behind."""
     embedded = [f"--{f.name}" for f in fields(args) if ASSETS in str(f.default) and getattr(args, f.name) == f.default]
     if embedded and not os.path.isdir(ASSETS):  # this file copied alone
-        raise SystemExit(f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
-                         "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset).")
+        raise SystemExit(
+            f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
+            "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset)."
+        )
     require(args, [f.name for f in fields(args) if f.type is float], "must be finite", lambda v: abs(v) < 1e308)
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every", "reward_timeout"), "must be 0 (never) or more", lambda v: v >= 0)
-    require(args, ("rollout_batch_size", "total_episodes", "minibatch_size", "micro_batch_size", "num_epochs",
-                   "response_length", "max_prompt_length", "eval_batch_size", "log_samples_every", "keep_checkpoints",
-                   "max_bad_steps"), "must be at least 1", lambda v: v >= 1)
+    require(
+        args,
+        (
+            "rollout_batch_size",
+            "total_episodes",
+            "minibatch_size",
+            "micro_batch_size",
+            "num_epochs",
+            "response_length",
+            "max_prompt_length",
+            "eval_batch_size",
+            "log_samples_every",
+            "keep_checkpoints",
+            "max_bad_steps",
+        ),
+        "must be at least 1",
+        lambda v: v >= 1,
+    )
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
     require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
-    require(args, ("rollout_batch_size", "minibatch_size"), f"must be a multiple of the {args.world_size} processes "
-            "(each samples whole groups of prompts)", lambda v: v % args.world_size == 0)
-    require(args, ("minibatch_size",), f"must divide the {responses_per_iteration} responses per iteration",
-            lambda v: responses_per_iteration % v == 0)
+    require(
+        args,
+        ("rollout_batch_size", "minibatch_size"),
+        f"must be a multiple of the {args.world_size} processes (each samples whole groups of prompts)",
+        lambda v: v % args.world_size == 0,
+    )
+    require(
+        args,
+        ("minibatch_size",),
+        f"must divide the {responses_per_iteration} responses per iteration",
+        lambda v: responses_per_iteration % v == 0,
+    )
     local_minibatch = args.minibatch_size // args.world_size
     if args.micro_batch_size > local_minibatch:  # an upper bound, so that the defaults hold under torchrun too
         if int(os.environ.get("RANK", 0)) == 0:
-            print(f"--micro_batch_size {args.micro_batch_size} is more than the per-process minibatch of "
-                  f"{local_minibatch} ({args.world_size} processes); using {local_minibatch}.")
+            print(
+                f"--micro_batch_size {args.micro_batch_size} is more than the per-process minibatch of "
+                f"{local_minibatch} ({args.world_size} processes); using {local_minibatch}."
+            )
         args.micro_batch_size = local_minibatch
-    require(args, ("micro_batch_size",), f"must divide the per-process minibatch of {local_minibatch}",
-            lambda v: local_minibatch % v == 0)
-    require(args, ("total_episodes",), f"must be at least one rollout ({responses_per_iteration} responses)",
-            lambda v: v >= responses_per_iteration)
+    require(
+        args,
+        ("micro_batch_size",),
+        f"must divide the per-process minibatch of {local_minibatch}",
+        lambda v: local_minibatch % v == 0,
+    )
+    require(
+        args,
+        ("total_episodes",),
+        f"must be at least one rollout ({responses_per_iteration} responses)",
+        lambda v: v >= responses_per_iteration,
+    )
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
@@ -1294,19 +1639,29 @@ def check_common_args(args, responses_per_iteration):
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
     if args.decode == "cuda_graph" and (not torch.cuda.is_available() or dist.is_initialized()):
-        raise SystemExit("--decode cuda_graph needs a GPU and one process (FSDP2's hooks under torchrun cannot be "
-                         "captured in a CUDA graph); pass --decode static.")
+        raise SystemExit(
+            "--decode cuda_graph needs a GPU and one process (FSDP2's hooks under torchrun cannot be "
+            "captured in a CUDA graph); pass --decode static."
+        )
     if args.mixed_precision and args.model_dtype != "float32":
         raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
     config = check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
     positions = getattr(config, "max_position_embeddings", None) or float("inf")
-    require(args, ("response_length",), f"plus --max_prompt_length must fit the policy's {positions} positions",
-            lambda v: v + args.max_prompt_length <= positions)
+    require(
+        args,
+        ("response_length",),
+        f"plus --max_prompt_length must fit the policy's {positions} positions",
+        lambda v: v + args.max_prompt_length <= positions,
+    )
     if args.lora_r and args.lora_target_modules != ("all-linear",):  # matched as peft does, on a weightless model
         with torch.device("meta"):
             names = [name for name, _ in AutoModelForCausalLM.from_config(config).named_modules()]
-        require(args, ("lora_target_modules",), "must each end the name of a module of the policy, or be all-linear",
-                lambda v: all(any(n == t or n.endswith("." + t) for n in names) for t in v))
+        require(
+            args,
+            ("lora_target_modules",),
+            "must each end the name of a module of the policy, or be all-linear",
+            lambda v: all(any(n == t or n.endswith("." + t) for n in names) for t in v),
+        )
     for path in args.reward_model_path:
         check_model_path(path, "sequence classifier", "--reward_model_path")
     find_checkpoint(args)
@@ -1316,46 +1671,76 @@ def check_common_args(args, responses_per_iteration):
     try:  # a folder that cannot be written fails now, not at the first save; nothing is left behind
         tempfile.TemporaryFile(dir=existing).close()
     except OSError as e:
-        raise SystemExit(f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a "
-                         "folder you can write.")
+        raise SystemExit(
+            f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a "
+            "folder you can write."
+        )
+
 
 def failure_alarms(m, state, args):
     """Which failure signatures show in m, against first values and the value loss's moving average (in state)."""
-    for key, metric in (("first_entropy", "policy/entropy"), ("first_distinct2", "response/distinct2"),
-                        ("first_value_loss", "val/loss")):
+    for key, metric in (
+        ("first_entropy", "policy/entropy"),
+        ("first_distinct2", "response/distinct2"),
+        ("first_value_loss", "val/loss"),
+    ):
         if state.get(key) is None:
             state[key] = m.get(metric)
     if "val/loss" in m:
         ema = state.get("value_loss_ema")
         state["value_loss_ema"] = m["val/loss"] if ema is None else 0.9 * ema + 0.1 * m["val/loss"]
+
     def fell(metric, first):  # below --alarm_collapse of its first value
         return m.get(metric) is not None and state[first] is not None and m[metric] < args.alarm_collapse * state[first]
+
     rising = "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"]
-    return {"kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
-            "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
-            "entropy_collapse": fell("policy/entropy", "first_entropy"),
-            "value_divergence": rising,  # the value loss rising, not falling
-            "diversity_collapse": fell("response/distinct2", "first_distinct2")}
+    return {
+        "kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
+        "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
+        "entropy_collapse": fell("policy/entropy", "first_entropy"),
+        "value_divergence": rising,  # the value loss rising, not falling
+        "diversity_collapse": fell("response/distinct2", "first_distinct2"),
+    }
+
 
 ALARMS = {
     "kl_explosion": "KL to the reference past --alarm_kl: raise --kl_coef (or --kl_target), lower the learning rate.",
     "clip_fraction": "over --alarm_clipfrac of tokens clipped: lower the learning rate or --num_epochs.",
     "entropy_collapse": "entropy under --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, stop.",
     "value_divergence": "the value loss rose above its start: keep --normalize_reward, lower --value_learning_rate.",
-    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier."}
+    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier.",
+}
 
 # ---- checkpoints, stop signals and bad steps
 # What may differ between a run and its resumption (the number of processes too); every other argument must match.
-RESUMABLE = ("resume", "num_iterations", "world_size", "output_dir", "total_episodes", "save_every", "keep_checkpoints",
-             "max_bad_steps", "on_reward_error", "reward_timeout", "micro_batch_size", "track", "wandb_project",
-             "exp_name", "log_samples_every")
-USUAL_CAUSES = ("the usual causes are a learning rate too high (lower it), rewards of a large scale (normalise them), "
-                "bf16 or fp16 overflow (--model_dtype float32)")
+RESUMABLE = (
+    "resume",
+    "num_iterations",
+    "world_size",
+    "output_dir",
+    "total_episodes",
+    "save_every",
+    "keep_checkpoints",
+    "max_bad_steps",
+    "on_reward_error",
+    "reward_timeout",
+    "micro_batch_size",
+    "track",
+    "wandb_project",
+    "exp_name",
+    "log_samples_every",
+)
+USUAL_CAUSES = (
+    "the usual causes are a learning rate too high (lower it), rewards of a large scale (normalise them), "
+    "bf16 or fp16 overflow (--model_dtype float32)"
+)
+
 
 def checkpoints_in(folder):
     """The finished checkpoints in folder, oldest first (a save cut short is left under a '.tmp' name)."""
     names = [n for n in os.listdir(folder) if re.fullmatch(r"checkpoint-\d+", n)] if os.path.isdir(folder) else []
     return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[11:]))]
+
 
 def all_processes(value):
     """Every process's value (a small picklable object) in rank order, on every process; [value] in a plain run."""
@@ -1365,6 +1750,7 @@ def all_processes(value):
     dist.all_gather_object(values, value)
     return values
 
+
 def read_json(path):
     """The JSON in a file, or None where it is missing or not JSON."""
     try:
@@ -1372,19 +1758,23 @@ def read_json(path):
     except (OSError, ValueError):
         return None
 
+
 def digest(entries):
     """The SHA-256 of a dict's entries (JSON, keys sorted)."""
     return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+
 
 def run_identity(args):
     """What a checkpoint records of its run: the script and a digest of the arguments (all but RESUMABLE)."""
     fixed = {k: v for k, v in asdict(args).items() if k not in RESUMABLE}
     return {"script": os.path.basename(__file__), "args_sha256": digest(fixed)}
 
+
 def checkpoint_identity(path):
     """The script and the arguments' digest recorded in a checkpoint's manifest (None each where unreadable)."""
     manifest = read_json(os.path.join(path, "manifest.json"))
     return {k: manifest.get(k) if isinstance(manifest, dict) else None for k in ("script", "args_sha256")}
+
 
 def file_digests(folder, names):
     """{name: {"bytes": size, "sha256": checksum}} of files in folder, on every process, each reading a share."""
@@ -1395,12 +1785,14 @@ def file_digests(folder, names):
             mine[name] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
     return {name: entry for part in all_processes(mine) for name, entry in part.items()}
 
+
 def write_manifest(folder, args, iteration, rank):
     """manifest.json, a checkpoint's last file: each file's size and checksum, the run, the iteration, a checksum."""
     manifest = {**run_identity(args), "iteration": iteration, "files": file_digests(folder, sorted(os.listdir(folder)))}
     manifest["sha256"] = digest(manifest)  # of its own entries: a manifest damaged in place shows too
     if rank == 0:
         pathlib.Path(folder, "manifest.json").write_text(json.dumps(manifest, indent=2))
+
 
 def checkpoint_damage(path):
     """What is wrong with a checkpoint, in words that name the file, or None when it matches its manifest."""
@@ -1421,6 +1813,7 @@ def checkpoint_damage(path):
     changed = [name for name in sorted(files) if found[name]["sha256"] != files[name]]
     return f"{changed[0]} does not match the checksum it was saved with" if changed else None
 
+
 def find_checkpoint(args):
     """--resume as a whole checkpoint of this run, or None ('auto': the newest whole one): runs never mix."""
     say, held = int(os.environ.get("RANK", 0)) == 0, checkpoints_in(args.output_dir)
@@ -1433,46 +1826,70 @@ def find_checkpoint(args):
             if say:
                 print(f"--resume auto: skipping {path}: {damage}")
         if held and not args.resume:
-            raise SystemExit(f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
-                             "afresh there, or pass another --output_dir.")
+            raise SystemExit(
+                f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
+                "afresh there, or pass another --output_dir."
+            )
         if say:
-            print(f"--resume auto: resuming from {args.resume}" if args.resume else
-                  f"--resume auto: no checkpoint in {args.output_dir}, starting afresh")
+            print(
+                f"--resume auto: resuming from {args.resume}"
+                if args.resume
+                else f"--resume auto: no checkpoint in {args.output_dir}, starting afresh"
+            )
     elif args.resume:  # a path: normalised, a whole checkpoint, or one sentence with the newest whole one beside it
         path = args.resume = os.path.normpath(args.resume)
         if path.endswith(".tmp"):
             raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder); pass --resume auto.")
         if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
-            raise SystemExit(f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
-                             f"{args.output_dir}/checkpoint-N folder, or auto.")
+            raise SystemExit(
+                f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
+                f"{args.output_dir}/checkpoint-N folder, or auto."
+            )
         if damage := checkpoint_damage(path):
-            whole = next((p for p in reversed(checkpoints_in(os.path.dirname(path))) if p != path
-                          and not checkpoint_damage(p)), None)
-            raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; " + (
-                f"resume from {whole}, the newest whole checkpoint beside it." if whole else
-                "no checkpoint beside it is whole, so start afresh in another --output_dir."))
+            whole = next(
+                (p for p in reversed(checkpoints_in(os.path.dirname(path))) if p != path and not checkpoint_damage(p)),
+                None,
+            )
+            raise SystemExit(
+                f"checkpoint '{path}' is damaged: {damage}; "
+                + (
+                    f"resume from {whole}, the newest whole checkpoint beside it."
+                    if whole
+                    else "no checkpoint beside it is whole, so start afresh in another --output_dir."
+                )
+            )
     if held and not args.resume:
         which = "a run with these arguments" if checkpoint_identity(held[-1]) == run_identity(args) else "another run"
-        raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of {which} (the newest: "
-                         f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
-                         "to start afresh.")
+        raise SystemExit(
+            f"--output_dir '{args.output_dir}' holds the checkpoints of {which} (the newest: "
+            f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
+            "to start afresh."
+        )
     if held and os.path.realpath(os.path.dirname(args.resume)) != os.path.realpath(args.output_dir):
-        raise SystemExit(f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
-                         f"'{args.resume}' there would mix them with its own; pass another --output_dir.")
+        raise SystemExit(
+            f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
+            f"'{args.resume}' there would mix them with its own; pass another --output_dir."
+        )
     script = os.path.basename(__file__)
     made_by = checkpoint_identity(args.resume)["script"] if args.resume else script
     if made_by != script:
-        raise SystemExit(f"'{args.resume}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
-                         f"or start {script} in another --output_dir.")
+        raise SystemExit(
+            f"'{args.resume}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
+            f"or start {script} in another --output_dir."
+        )
     saved = read_json(os.path.join(args.resume, "args.json")) if args.resume else {}
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
     if changed := [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]:
-        raise SystemExit(f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
-                         f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change).")
+        raise SystemExit(
+            f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
+            f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change)."
+        )
+
 
 def trainer_state_dicts(models, optimizers):
     """Each trained model's and optimiser's state, keyed by parameter name (under FSDP2, this process's shards)."""
     return {k: dict(zip(("model", "optimizer"), get_state_dict(models[k], optimizers[k]))) for k in models}
+
 
 def save_checkpoint(args, models, optimizers, state, rank):
     """What a resumed run needs, as a .tmp with its manifest last, then renamed; all but --keep_checkpoints go."""
@@ -1482,6 +1899,7 @@ def save_checkpoint(args, models, optimizers, state, rank):
     if all_processes(saved and checkpoint_identity(path) == run_identity(args))[0]:  # a stop just after a save
         return path
     refuse_non_finite(models, f"{path} is not written", args)
+
     def together(step, here=True):  # step() where here is true; the first error of any process, on all of them
         error = None
         try:
@@ -1492,23 +1910,34 @@ def save_checkpoint(args, models, optimizers, state, rank):
             e = e[0] if isinstance(e, tuple) else e  # an error with its traceback
             error = f"{type(e).__name__}: {e}"[:300]
         return next((e for e in all_processes(error) if e), None)
+
     def begin():  # rank 0: the folder, the log so far, the arguments and the state
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
         for name, content in (("args.json", asdict(args)), ("state.json", state)):
             pathlib.Path(tmp, name).write_text(json.dumps(content, indent=2))
+
     def shards():  # every process; returns when every process has written (a plain run's alone, as meant)
         dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
+
     def rename():  # rank 0: over a stale or damaged checkpoint-N; then the oldest ones and any save cut short go
         shutil.rmtree(path, ignore_errors=True)
         os.rename(tmp, path)
-        cut_short = [os.path.join(args.output_dir, n) for n in os.listdir(args.output_dir)
-                     if n.startswith("checkpoint-") and n.endswith(".tmp")]
+        cut_short = [
+            os.path.join(args.output_dir, n)
+            for n in os.listdir(args.output_dir)
+            if n.startswith("checkpoint-") and n.endswith(".tmp")
+        ]
         for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
             os.remove(old) if os.path.islink(old) else shutil.rmtree(old)  # a link goes, never what it points to
-    error = (together(begin, rank == 0) or together(shards)
-             or together(lambda: write_manifest(tmp, args, state["iteration"], rank)) or together(rename, rank == 0))
+
+    error = (
+        together(begin, rank == 0)
+        or together(shards)
+        or together(lambda: write_manifest(tmp, args, state["iteration"], rank))
+        or together(rename, rank == 0)
+    )
     if error:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1516,14 +1945,18 @@ def save_checkpoint(args, models, optimizers, state, rank):
         raise SystemExit(write_failure(f"writing {path}", error, args, needed) if rank == 0 else 1)
     return path
 
+
 def write_failure(what, error, args, needed_mb=None):
     """One sentence for a failed write: the free space against what was needed, and the checkpoint to go on from."""
     free_mb = shutil.disk_usage(args.output_dir).free / 2**20
     need = f" and about {needed_mb:.0f} MB are needed" if needed_mb else ""
     newest = (checkpoints_in(args.output_dir) or [None])[-1]
     then = f"go on from {newest}, the last good checkpoint, with --resume auto" if newest else "start again"
-    return (f"{what} failed ({error}); '{args.output_dir}' has {free_mb:.0f} MB free{need}: free some space (or make "
-            f"the folder writable again) and {then}.")
+    return (
+        f"{what} failed ({error}); '{args.output_dir}' has {free_mb:.0f} MB free{need}: free some space (or make "
+        f"the folder writable again) and {then}."
+    )
+
 
 def load_checkpoint(path, models, optimizers):
     """Models and optimisers as saved, for any process count; the state (every draw is seeded by the iteration)."""
@@ -1531,26 +1964,33 @@ def load_checkpoint(path, models, optimizers):
     try:
         dcp.load(saved, checkpoint_id=path)
     except (ValueError, dcp.CheckpointException) as e:  # a model folder that now holds a model of another size
-        raise SystemExit(f"'{path}' could not be loaded into this run's models ({str(e).strip().splitlines()[-1]}); if "
-                         "they changed size, resume with the models it was trained from.")
+        raise SystemExit(
+            f"'{path}' could not be loaded into this run's models ({str(e).strip().splitlines()[-1]}); if "
+            "they changed size, resume with the models it was trained from."
+        )
     for k in models:
-        set_state_dict(models[k], optimizers[k], model_state_dict=saved[k]["model"],
-                       optim_state_dict=saved[k]["optimizer"])
+        set_state_dict(
+            models[k], optimizers[k], model_state_dict=saved[k]["model"], optim_state_dict=saved[k]["optimizer"]
+        )
         if state["iteration"] == 0:  # saved before any step: its Adam state is get_state_dict's zero-gradient step
             optimizers[k].state.clear()  # (step 1, no moments), not one the run took; so Adam starts as the run did
     return state
 
+
 def catch_stop_signals():
     """SIGTERM or Ctrl-C stops the run where it can save, a second at once: the list of reasons to stop (signals)."""
     stops = []
+
     def on_signal(signum, frame):
         if any(isinstance(r, int) for r in stops):
             os._exit(128 + signum)
         stops.append(signum)
         print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (again: quit at once)", flush=True)
+
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     os.register_at_fork(after_in_child=lambda: [signal.signal(s, h) for s, h in previous.items()])  # pool workers
     return stops
+
 
 def stop_and_save(stops, args, models, optimizers, state, rank, device):
     """When any process has a reason to stop (a signal, a failed reward, --max_bad_steps), all save and exit."""
@@ -1566,15 +2006,21 @@ def stop_and_save(stops, args, models, optimizers, state, rank, device):
     if reasons["failure"]:  # the message of the first process that failed
         failure = next(f for f in all_processes(failure) if f)
     elif reasons["bad_steps"]:
-        failure = (f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration "
-                   f"{state['iteration']}); {USUAL_CAUSES}.")
+        failure = (
+            f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration "
+            f"{state['iteration']}); {USUAL_CAUSES}."
+        )
         state = dict(state, bad_steps=0)
     path = save_checkpoint(args, models, optimizers, state, rank)
     command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
     if rank == 0:
-        print(f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
-              f"--resume {path}", flush=True)
+        print(
+            f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
+            f"--resume {path}",
+            flush=True,
+        )
     raise SystemExit((failure if rank == 0 else 1) if failure else 128 + reasons["signal"])
+
 
 def step_is_finite(grad_norms, stats, state, iteration, args):
     """Whether to step: not on a nan or inf gradient norm, nor after --max_bad_steps in a row (norms into stats)."""
@@ -1591,10 +2037,15 @@ def step_is_finite(grad_norms, stats, state, iteration, args):
         print(f"iteration {iteration}: a non-finite loss or gradient; steps are skipped until a finite one", flush=True)
     return state["bad_steps"] == 0
 
+
 def refuse_non_finite(models, what, args):
     """Stop every process, rank 0 naming it, when a trained weight holds a nan or an inf: one fused reduction."""
-    named = [(f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
-             for key, model in models.items() for name, p in model.named_parameters() if p.requires_grad]
+    named = [
+        (f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
+        for key, model in models.items()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    ]
     named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
     largest = torch._foreach_norm([p for _, p in named], float("inf"), dtype=torch.float32) if named else []
     device = next(p.device for m in models.values() for p in m.parameters())
@@ -1605,12 +2056,17 @@ def refuse_non_finite(models, what, args):
         return
     mine = next((name for (name, _), x in zip(named, largest) if not torch.isfinite(x)), None)
     name, newest = next(n for n in all_processes(mine) if n), (checkpoints_in(args.output_dir) or [None])[-1]
-    raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}"
-                     + (f"; the newest checkpoint is {newest}." if newest else ".")
-                     if not dist.is_initialized() or dist.get_rank() == 0 else 1)
+    raise SystemExit(
+        f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}"
+        + (f"; the newest checkpoint is {newest}." if newest else ".")
+        if not dist.is_initialized() or dist.get_rank() == 0
+        else 1
+    )
+
 
 # ---- dashboard and log
 NOT_SUMS = ("tokens", "steps", "ratio_max", "first_ratio_dev")  # the keys of stats that are not sums over tokens
+
 
 @torch.no_grad()
 def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
@@ -1624,33 +2080,59 @@ def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
     if "first_ratio_dev" not in stats:  # ~0 unless logprobs_old went stale: a free sanity check
         stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
 
-def dashboard(stats, state, raw_score, rule_scores, has_eos, response_mask, rollout, P, reward_errors, times, models,
-              optimizers, responses_per_iteration, args):
+
+def dashboard(
+    stats,
+    state,
+    raw_score,
+    rule_scores,
+    has_eos,
+    response_mask,
+    rollout,
+    P,
+    reward_errors,
+    times,
+    models,
+    optimizers,
+    responses_per_iteration,
+    args,
+):
     """The metrics every script logs, over all processes; times: (t0, generate, score, optimize)."""
     device = raw_score.device
     sums = sorted(k for k in stats if k not in NOT_SUMS)
-    totals = torch.tensor([stats[k] for k in sums] + [stats["tokens"], stats["steps"]], device=device,
-                          dtype=torch.float64)
+    totals = torch.tensor(
+        [stats[k] for k in sums] + [stats["tokens"], stats["steps"]], device=device, dtype=torch.float64
+    )
     ratio_max = torch.tensor(stats["ratio_max"], device=device)
     if args.world_size > 1:
         dist.all_reduce(totals)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
     n_tokens, n_steps = totals[-2].item(), totals[-1].item()
     token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], rollout["response_mask"].sum(1))]
-    m = {"iteration": state["iteration"], "episodes": state["episodes"], "objective/score": global_mean(raw_score),
-         "policy/first_ratio_dev": stats.get("first_ratio_dev"), "policy/ratio_max": ratio_max.item(),
-         "response/length": global_mean(response_mask.sum(1).float()), "response/eos_rate": global_mean(has_eos),
-         "response/distinct1": distinct_n(token_lists, 1), "response/distinct2": distinct_n(token_lists, 2),
-         **({"response/truncated_left_out": global_mean(~has_eos)} if args.mask_truncated else {}),
-         "time/generate": times[1], "time/score": times[2], "time/optimize": times[3],
-         "time/iteration": time.time() - times[0],
-         "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
-         "health/skipped_steps": state["skipped_steps"],
-         "memory/model_states_mb": megabytes_held(models, optimizers.values())}  # this process's (rank 0's)
+    m = {
+        "iteration": state["iteration"],
+        "episodes": state["episodes"],
+        "objective/score": global_mean(raw_score),
+        "policy/first_ratio_dev": stats.get("first_ratio_dev"),
+        "policy/ratio_max": ratio_max.item(),
+        "response/length": global_mean(response_mask.sum(1).float()),
+        "response/eos_rate": global_mean(has_eos),
+        "response/distinct1": distinct_n(token_lists, 1),
+        "response/distinct2": distinct_n(token_lists, 2),
+        **({"response/truncated_left_out": global_mean(~has_eos)} if args.mask_truncated else {}),
+        "time/generate": times[1],
+        "time/score": times[2],
+        "time/optimize": times[3],
+        "time/iteration": time.time() - times[0],
+        "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
+        "health/skipped_steps": state["skipped_steps"],
+        "memory/model_states_mb": megabytes_held(models, optimizers.values()),
+    }  # this process's (rank 0's)
     m.update({k: global_mean(x) for k, x in rule_scores.items()})  # the rules' weighted sum, and each when several
     m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in zip(sums, totals.tolist())})
     m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
     return m
+
 
 def lock_output_dir(folder):
     """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
@@ -1660,8 +2142,10 @@ def lock_output_dir(folder):
     try:
         os.lockf(f.fileno(), os.F_TLOCK, 0)
     except (BlockingIOError, PermissionError):
-        raise SystemExit(f"--output_dir '{folder}' is in use by another run ({before}, its {path}); wait for it to "
-                         "end, or pass another --output_dir.") from None
+        raise SystemExit(
+            f"--output_dir '{folder}' is in use by another run ({before}, its {path}); wait for it to "
+            "end, or pass another --output_dir."
+        ) from None
     except OSError as e:  # ENOLCK: a file system without locks (NFS without its lock service)
         print(f"{path}: this file system cannot lock ({e.strerror}): a second run here would not be refused")
     if before not in ("", me):
@@ -1669,6 +2153,7 @@ def lock_output_dir(folder):
     f.truncate(0)
     print(me, file=f, end="", flush=True)
     return f
+
 
 def resumed_log(checkpoint, metrics):
     """A resumed run's log: the checkpoint's rows; the run's own later lines kept in a side file (the first free)."""
@@ -1683,8 +2168,10 @@ def resumed_log(checkpoint, metrics):
         print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
     pathlib.Path(metrics).write_text("".join(rows))
 
+
 class Log:
     """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
+
     def __init__(self, args, state, rank, tokenizer):
         self.args, self.tokenizer, self.on, self.file, self.wandb = args, tokenizer, rank == 0, None, None
         if self.on:
@@ -1697,11 +2184,18 @@ class Log:
             self.file = open(metrics, "a" if args.resume else "w")
             self.wandb = self.start_wandb(state) if args.track else None
         if state["iteration"] >= args.num_iterations and self.on:  # a resume with nothing left to train
-            print(f"--total_episodes {args.total_episodes} ends at iteration {args.num_iterations}; the checkpoint is "
-                  f"at {state['iteration']}, so no step is taken: its policy is saved as it is (raise it to go on)")
+            print(
+                f"--total_episodes {args.total_episodes} ends at iteration {args.num_iterations}; the checkpoint is "
+                f"at {state['iteration']}, so no step is taken: its policy is saved as it is (raise it to go on)"
+            )
         self.t_start = time.time() - state["elapsed"]
-        self.progress = tqdm(total=args.num_iterations, initial=state["iteration"], unit="iter", dynamic_ncols=True,
-                             disable=not self.on or not sys.stderr.isatty())
+        self.progress = tqdm(
+            total=args.num_iterations,
+            initial=state["iteration"],
+            unit="iter",
+            dynamic_ncols=True,
+            disable=not self.on or not sys.stderr.isatty(),
+        )
 
     def write(self, m, step):
         if self.on:
@@ -1715,11 +2209,18 @@ class Log:
     def evaluation(self, evaluation, state):
         """A held-out score in a row of its own: the starting policy's, or one a failed reward left to the resume."""
         if evaluation:
-            m = {"iteration": state["iteration"], "episodes": state["episodes"], **evaluation,
-                 "time/elapsed": time.time() - self.t_start}
+            m = {
+                "iteration": state["iteration"],
+                "episodes": state["episodes"],
+                **evaluation,
+                "time/elapsed": time.time() - self.t_start,
+            }
             if self.on:
-                print(f"iter {m['iteration']} ({'redone' if m['iteration'] else 'before training'}) | held-out score "
-                      f"sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}", flush=True)
+                print(
+                    f"iter {m['iteration']} ({'redone' if m['iteration'] else 'before training'}) | held-out score "
+                    f"sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}",
+                    flush=True,
+                )
             self.write(m, step=state["episodes"])
 
     def iteration(self, m, state, prompt_ids, texts, scores):
@@ -1730,14 +2231,18 @@ class Log:
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
         if self.on:
             shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
-            tqdm.write(f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
-                       f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}")
+            tqdm.write(
+                f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
+                f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}"
+            )
             if not any(key.startswith("grad_norm/") for key in m):  # every minibatch skipped
                 tqdm.write(f"iter {iteration}: no optimiser step: every response was left out of the loss")
             for name in [name for name, on in firing.items() if on and name not in state["alarms_on"]]:
                 tqdm.write(f"ALARM {name}: {ALARMS[name]}")
-            self.progress.set_postfix({label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED
-                                       if key in m and key.startswith("objective/")}, refresh=False)
+            self.progress.set_postfix(
+                {label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m and key.startswith("objective/")},
+                refresh=False,
+            )
             self.progress.update()
             self.write(m, step=state["episodes"])
             if iteration % args.log_samples_every == 0 or iteration == 1:
@@ -1752,21 +2257,36 @@ class Log:
     def start_wandb(self, state):
         """wandb, logging offline (upload later with `wandb sync`) when its server cannot be reached within seconds."""
         import wandb
+
         url, args = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), self.args
         if os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not reachable(url):
-            print(f"wandb: {urlparse(url).hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
-                  "(upload it later with `wandb sync`)")
+            print(
+                f"wandb: {urlparse(url).hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
+                "(upload it later with `wandb sync`)"
+            )
             os.environ["WANDB_MODE"] = "offline"
         state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in its wandb run
-        wandb.init(project=args.wandb_project, name=args.exp_name, config=asdict(args), id=state["wandb_id"],
-                   resume="allow", dir=args.output_dir, save_code=True)
+        wandb.init(
+            project=args.wandb_project,
+            name=args.exp_name,
+            config=asdict(args),
+            id=state["wandb_id"],
+            resume="allow",
+            dir=args.output_dir,
+            save_code=True,
+        )
         return wandb
+
 
 def finish(policy, tokenizer, log, state, args, rank):
     """The policy and tokenizer saved for from_pretrained, unless not finite; the log and the processes closed."""
     if state["bad_steps"]:
-        raise SystemExit(f"the last {state['bad_steps']} optimiser step(s) had a non-finite loss or gradient, so the "
-                         f"policy is not saved to {args.output_dir}; {USUAL_CAUSES}." if rank == 0 else 1)
+        raise SystemExit(
+            f"the last {state['bad_steps']} optimiser step(s) had a non-finite loss or gradient, so the "
+            f"policy is not saved to {args.output_dir}; {USUAL_CAUSES}."
+            if rank == 0
+            else 1
+        )
     refuse_non_finite({"policy": policy}, f"the policy is not saved to {args.output_dir}", args)
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
@@ -1786,6 +2306,7 @@ def finish(policy, tokenizer, log, state, args, rank):
     log.progress.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     try:

@@ -57,6 +57,7 @@ head was multiplied by), ``sizes_bytes`` (per folder) and ``total_bytes``.
 Importing this module is cheap and has no side effects; tests and scripts use ``sentiment``,
 ``make_corpora``, ``sample`` and the constants.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -268,9 +269,25 @@ class Config:
 
 
 TINY = dict(
-    n_sft_reviews=300, n_sft_arith=300, n_arith_test=20, n_arith_train=50, n_review_train=50,
-    n_review_test=20, n_rm_train_pairs=100, n_rm_test_pairs=40, vocab_size=300, hidden=32, layers=1,
-    heads=2, intermediate=64, sft_steps=5, sft_batch_arith=16, sft_batch_reviews=16, rm_steps=5, rm_batch=16, n_eval=20,
+    n_sft_reviews=300,
+    n_sft_arith=300,
+    n_arith_test=20,
+    n_arith_train=50,
+    n_review_train=50,
+    n_review_test=20,
+    n_rm_train_pairs=100,
+    n_rm_test_pairs=40,
+    vocab_size=300,
+    hidden=32,
+    layers=1,
+    heads=2,
+    intermediate=64,
+    sft_steps=5,
+    sft_batch_arith=16,
+    sft_batch_reviews=16,
+    rm_steps=5,
+    rm_batch=16,
+    n_eval=20,
 )
 
 
@@ -501,20 +518,28 @@ def generation_config(tok, **overrides):
     from transformers import GenerationConfig
 
     kwargs = dict(
-        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=REVIEW_MAX_NEW,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=REVIEW_MAX_NEW,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
     )
     kwargs.update(overrides)
     return GenerationConfig(**kwargs)
 
 
-def sample(model, tok, prompts: list[str], max_new_tokens: int, greedy: bool = False, seed: int = 0,
-           batch_size: int = 200) -> list[tuple[str, bool]]:
+def sample(
+    model, tok, prompts: list[str], max_new_tokens: int, greedy: bool = False, seed: int = 0, batch_size: int = 200
+) -> list[tuple[str, bool]]:
     """(decoded continuation, ended with EOS) for each prompt; KV-cached, left-padded batches."""
     gen_cfg = generation_config(tok, max_new_tokens=max_new_tokens)
     if greedy:
-        gen_cfg = generation_config(tok, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
-                                    top_k=None, top_p=None)
+        gen_cfg = generation_config(
+            tok, max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_k=None, top_p=None
+        )
     torch.manual_seed(seed)
     out = []
     with torch.no_grad():
@@ -621,8 +646,10 @@ def write_report(out: str, report: dict) -> str:
 def build(cfg: Config, out: str, tiny: bool = False, log=print) -> dict:
     t0 = time.time()
     corpora = make_corpora(cfg)
-    log(f"corpora: {len(corpora['sft_reviews'])} reviews, {len(corpora['sft_arith'])} sums, "
-        f"{len(corpora['rm_train'])} RM pairs")
+    log(
+        f"corpora: {len(corpora['sft_reviews'])} reviews, {len(corpora['sft_arith'])} sums, "
+        f"{len(corpora['rm_train'])} RM pairs"
+    )
     tok = train_tokenizer(
         [p + c for p, c in corpora["sft_reviews"]] + [p + c for p, c in corpora["sft_arith"]], cfg.vocab_size
     )

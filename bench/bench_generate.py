@@ -51,6 +51,7 @@ the buffers and the CUDA graph's memory pool), the growth of torch.cuda.memory_r
     python bench/bench_generate.py --device cpu --models tiny --batches 64,256 --new-tokens 24,64 \
         --methods scripts,static,compiled,hf-generate --repeats 5        # the CPU's choice of loop (bench/generate.md)
 """
+
 import argparse
 import contextlib
 import datetime
@@ -74,9 +75,18 @@ from ppo import generate, position_ids_from  # noqa: E402
 from rlhf_kernels import token_logprobs  # noqa: E402
 
 NEVER = -1  # a stop token id no sampled token can equal
-QWEN05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
-                     tie_word_embeddings=True, rms_norm_eps=1e-6)
+QWEN05B_SHAPE = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
 
 
 # ----------------------------------------------------------------------------------------- models, prompts
@@ -150,16 +160,18 @@ def run_compiled(model, ids, mask, n, temperature, pad, greedy=False, uniforms=N
 
 def run_hf(model, ids, mask, n, temperature, pad, greedy=False):
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=pad,
-                         use_cache=True, **sampling)
-    return out[:, ids.shape[1]:], None
+    out = model.generate(
+        ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=pad, use_cache=True, **sampling
+    )
+    return out[:, ids.shape[1] :], None
 
 
 @torch.no_grad()
 def run_no_cache(model, ids, mask, n, temperature, pad, greedy=False):
     for _ in range(n):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=False,
-                       logits_to_keep=1).logits[:, -1]
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=False, logits_to_keep=1
+        ).logits[:, -1]
         probs = torch.softmax(logits.float() / temperature, dim=-1)
         token = probs.argmax(-1) if greedy else torch.multinomial(probs, 1).squeeze(-1)
         ids = torch.cat([ids, token[:, None]], dim=1)
@@ -167,8 +179,14 @@ def run_no_cache(model, ids, mask, n, temperature, pad, greedy=False):
     return ids[:, -n:], None
 
 
-METHODS = {"scripts": run_scripts, "static": run_static, "cuda-graph": run_cuda_graph, "compiled": run_compiled,
-           "hf-generate": run_hf, "no-cache": run_no_cache}
+METHODS = {
+    "scripts": run_scripts,
+    "static": run_static,
+    "cuda-graph": run_cuda_graph,
+    "compiled": run_compiled,
+    "hf-generate": run_hf,
+    "no-cache": run_no_cache,
+}
 DECODE_LOOPS = ("static", "cuda-graph", "compiled")  # checked against scripts: same uniforms, same tokens
 
 
@@ -212,7 +230,11 @@ def generate_timed(
         attention_mask = prompt_mask
         positions = position_ids_from(prompt_mask)
         logits = policy(
-            input_ids=prompt_ids, attention_mask=attention_mask, position_ids=positions, cache=cache, use_cache=True,
+            input_ids=prompt_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
         next_position = positions[:, -1:] + 1
@@ -239,7 +261,10 @@ def generate_timed(
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         with timer("model forward"):
             out = policy(
-                input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position, cache=cache,
+                input_ids=tokens[-1][:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position,
+                cache=cache,
                 use_cache=True,
             )
             logits, next_position = out.logits[:, -1], next_position + 1
@@ -278,8 +303,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per method and cell (the median is reported)")
-    p.add_argument("--methods", default="scripts,static,cuda-graph,hf-generate,no-cache",
-                   help=f"some of {','.join(METHODS)} (cuda-graph: CUDA only, left out elsewhere)")
+    p.add_argument(
+        "--methods",
+        default="scripts,static,cuda-graph,hf-generate,no-cache",
+        help=f"some of {','.join(METHODS)} (cuda-graph: CUDA only, left out elsewhere)",
+    )
     p.add_argument("--skip-no-cache-above", type=int, default=128, help="skip no-cache when new tokens > this")
     p.add_argument("--breakdown", action="store_true", help="also time the parts of the scripts' loop, first cell")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model, batch 4, 8 new tokens, 1 repeat")
@@ -302,19 +330,25 @@ def main(argv=None):
     if not cuda:
         torch.set_num_threads(a.threads)
     name = (
-        torch.cuda.get_device_name(device) if cuda
+        torch.cuda.get_device_name(device)
+        if cuda
         else f"CPU ({platform.processor() or platform.machine()}, {a.threads} threads)"
     )
-    lines = [f"torch {torch.__version__}, transformers {transformers.__version__}, {name}, {a.dtype}, "
-             f"T={a.temperature}, prompt {a.prompt_len} (left-padded), {datetime.datetime.now():%Y-%m-%d %H:%M}"]
+    lines = [
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {name}, {a.dtype}, "
+        f"T={a.temperature}, prompt {a.prompt_len} (left-padded), {datetime.datetime.now():%Y-%m-%d %H:%M}"
+    ]
     bandwidth = copy_bandwidth(device) if cuda else None
     if cuda:
         lines.append(f"device-to-device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + written)")
-    lines += ["", "| model | batch | new tokens | method | median s | tokens/s | vs scripts | vs hf-generate | "
-              "same tokens (sampled, greedy) | max abs logp diff | same as static, op by op | its max abs logp diff | "
-              + ("peak GB | held GB | " if cuda else "") + "decode limit s | of limit |",
-              "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|" + ("---:|---:|" if cuda else "")
-              + "---:|---:|"]
+    lines += [
+        "",
+        "| model | batch | new tokens | method | median s | tokens/s | vs scripts | vs hf-generate | "
+        "same tokens (sampled, greedy) | max abs logp diff | same as static, op by op | its max abs logp diff | "
+        + ("peak GB | held GB | " if cuda else "")
+        + "decode limit s | of limit |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|" + ("---:|---:|" if cuda else "") + "---:|---:|",
+    ]
     print("\n".join(lines), flush=True)
 
     def emit(*new):
@@ -331,8 +365,11 @@ def main(argv=None):
         for batch in a.batches:
             for n in a.new_tokens:
                 ids, mask = make_prompts(batch, a.prompt_len, model.config.vocab_size, pad, device)
-                methods = [m for m in a.methods if not (m == "no-cache" and n > a.skip_no_cache_above)
-                           and not (m == "cuda-graph" and not cuda)]
+                methods = [
+                    m
+                    for m in a.methods
+                    if not (m == "no-cache" and n > a.skip_no_cache_above) and not (m == "cuda-graph" and not cuda)
+                ]
                 seconds, peak, held = defaultdict(list), {}, {}
                 for m in methods:  # warm-up: the static loops set up (capture, compile) and keep their decoders
                     reserved = torch.cuda.memory_reserved(device) if cuda else 0
@@ -351,10 +388,14 @@ def main(argv=None):
                 median = {m: statistics.median(s) for m, s in seconds.items()}
                 limit = n * decode_bytes(model, batch, a.prompt_len + n / 2) / bandwidth if cuda else None
                 for m in methods:
-                    ratios = [f"{median[ref] / median[m]:.2f}x" if ref in median else "n/a"
-                              for ref in ("scripts", "hf-generate")]
-                    row = (f"| {model_name} | {batch} | {n} | {m} | {median[m]:.3f} | {batch * n / median[m]:,.0f} | "
-                           f"{' | '.join(ratios)} | {' | '.join(same.get(m, ('-',) * 4))} | ")
+                    ratios = [
+                        f"{median[ref] / median[m]:.2f}x" if ref in median else "n/a"
+                        for ref in ("scripts", "hf-generate")
+                    ]
+                    row = (
+                        f"| {model_name} | {batch} | {n} | {m} | {median[m]:.3f} | {batch * n / median[m]:,.0f} | "
+                        f"{' | '.join(ratios)} | {' | '.join(same.get(m, ('-',) * 4))} | "
+                    )
                     row += f"{peak[m]:.2f} | {held[m]:.2f} | " if cuda else ""
                     row += f"{limit:.3f} | {100 * limit / median[m]:.0f}% |" if cuda else "n/a | n/a |"
                     emit(row)
@@ -396,8 +437,11 @@ def agreement(model, ids, mask, n, temperature, pad, methods, device):
                 worst = max(worst, (got[1] - expected[1]).abs().max().item())
         return ", ".join(verdicts), f"{worst:.1e}"
 
-    return {m: (*compare(m, "scripts"), *(compare(m, "static") if m != "static" else ("-", "-")))
-            for m in methods if m in DECODE_LOOPS and "scripts" in methods}
+    return {
+        m: (*compare(m, "scripts"), *(compare(m, "static") if m != "static" else ("-", "-")))
+        for m in methods
+        if m in DECODE_LOOPS and "scripts" in methods
+    }
 
 
 def forget_decoders(cuda):
@@ -419,9 +463,13 @@ def part_table(model, model_name, batch, n, ids, mask, pad, a, device, untimed):
     for _ in range(a.repeats):
         generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad, uniforms)
     total = sum(timer.seconds.values())
-    rows = [f"Scripts' loop, {model_name}, batch {batch}, {n} new tokens: ms per generated token (prefill: per call), "
-            f"synchronised timers around each part",
-            "", "| part | ms per token | share |", "|---|---:|---:|"]
+    rows = [
+        f"Scripts' loop, {model_name}, batch {batch}, {n} new tokens: ms per generated token (prefill: per call), "
+        f"synchronised timers around each part",
+        "",
+        "| part | ms per token | share |",
+        "|---|---:|---:|",
+    ]
     for part, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
         per = 1e3 * s / a.repeats / (1 if part == "prefill" else n)
         rows.append(f"| {part} | {per:.3f} | {100 * s / total:.0f}% |")

@@ -11,6 +11,7 @@ the logits-sized gradient every method has to produce.
     python bench/bench_logprobs.py --quick  # 4k x 32k only
     python bench/bench_logprobs.py --full --out bench/logprobs.md
 """
+
 import argparse
 import json
 import os
@@ -161,9 +162,29 @@ def naive_peak_bytes(N, V, mode):
 
 
 def run_cell(a, method, N, V, dtype, T, mode):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--method", method, "--tokens", str(N),
-           "--vocab", str(V), "--dtype", dtype, "--temperature", str(T), "--mode", mode, "--device", a.device,
-           "--repeats", str(a.repeats), "--threads", str(a.threads)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--method",
+        method,
+        "--tokens",
+        str(N),
+        "--vocab",
+        str(V),
+        "--dtype",
+        dtype,
+        "--temperature",
+        str(T),
+        "--mode",
+        mode,
+        "--device",
+        a.device,
+        "--repeats",
+        str(a.repeats),
+        "--threads",
+        str(a.threads),
+    ]
     try:
         # TRL's CPU fallback loops over rows in Python (very slow for fp32): give it a shorter leash
         tmo = a.trl_timeout if (method == "trl" and a.device == "cpu") else a.cell_timeout
@@ -208,8 +229,13 @@ def main():
     if a.quick:
         grid = [(4096, 32768, d, 1.0) for d in ("fp32", "bf16")]
     elif a.full:
-        grid = [(n, v, d, t) for n in (4096, 16384) for v in (32768, 131072, 152064) for d in ("bf16", "fp32")
-                for t in (1.0, 0.7)]
+        grid = [
+            (n, v, d, t)
+            for n in (4096, 16384)
+            for v in (32768, 131072, 152064)
+            for d in ("bf16", "fp32")
+            for t in (1.0, 0.7)
+        ]
     else:
         grid = [(4096, v, d, t) for v in (32768, 131072) for d in ("fp32", "bf16") for t in (1.0, 0.7)]
     if a.grid:
@@ -221,17 +247,35 @@ def main():
     if cuda:
         limit = min(limit, torch.cuda.get_device_properties(0).total_memory * 0.8)
 
-    head = ("# token_logprobs benchmark "
-            f"({'CUDA: ' + torch.cuda.get_device_name(0) if cuda else f'CPU, {a.threads} threads'})\n\n")
-    head += (f"torch {torch.__version__}; median of {a.repeats} repeats; each cell in a fresh process. "
-             "Extra memory = peak minus the baseline after allocating the inputs (includes outputs and, for fwd+bwd, "
-             "the logits-sized gradient). All methods return log-probs and entropy (Liger: log-probs only). "
-             "Ratios are vs naive in the same run.\n\n")
+    head = (
+        "# token_logprobs benchmark "
+        f"({'CUDA: ' + torch.cuda.get_device_name(0) if cuda else f'CPU, {a.threads} threads'})\n\n"
+    )
+    head += (
+        f"torch {torch.__version__}; median of {a.repeats} repeats; each cell in a fresh process. "
+        "Extra memory = peak minus the baseline after allocating the inputs (includes outputs and, for fwd+bwd, "
+        "the logits-sized gradient). All methods return log-probs and entropy (Liger: log-probs only). "
+        "Ratios are vs naive in the same run.\n\n"
+    )
     if cuda:
-        head += (f"Device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s; `%bw` = minimum traffic "
-                 "(fwd: 1 read of the logits; bwd: 1 read + 1 write) / time / copy bandwidth.\n\n")
-    cols = ["tokens", "V", "dtype", "T", "method", "fwd ms", "fwd x naive", "fwd extra MB",
-            "fwd+bwd ms", "fwd+bwd x naive", "fwd+bwd extra MB", "mem vs naive (fwd+bwd)"]
+        head += (
+            f"Device-to-device copy bandwidth: {bw / 1e9:.0f} GB/s; `%bw` = minimum traffic "
+            "(fwd: 1 read of the logits; bwd: 1 read + 1 write) / time / copy bandwidth.\n\n"
+        )
+    cols = [
+        "tokens",
+        "V",
+        "dtype",
+        "T",
+        "method",
+        "fwd ms",
+        "fwd x naive",
+        "fwd extra MB",
+        "fwd+bwd ms",
+        "fwd+bwd x naive",
+        "fwd+bwd extra MB",
+        "mem vs naive (fwd+bwd)",
+    ]
     if cuda:
         cols += ["fwd %bw", "fwd+bwd %bw"]
     rows = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -250,8 +294,9 @@ def main():
             nf, nb = res.get(("naive", "fwd"), {}), res.get(("naive", "fwdbwd"), {})
 
             def ms(r):
-                return (f"{r['time_s'] * 1e3:.{2 if r['time_s'] < 0.1 else 0}f}" if "time_s" in r
-                        else f"skip ({r['skip']})")
+                return (
+                    f"{r['time_s'] * 1e3:.{2 if r['time_s'] < 0.1 else 0}f}" if "time_s" in r else f"skip ({r['skip']})"
+                )
 
             def ratio(r, n):
                 return f"{r['time_s'] / n['time_s']:.2f}" if "time_s" in r and "time_s" in n else "-"
@@ -259,14 +304,31 @@ def main():
             def mb(r):
                 return f"{r['peak_mb']:.0f}" if "peak_mb" in r else "-"
 
-            memr = (f"{nb['peak_mb'] / b['peak_mb']:.1f}x less"
-                    if "peak_mb" in b and "peak_mb" in nb and b["peak_mb"] > 0 and m != "naive" else "-")
-            cells = [f"{N // 1024}k", f"{V // 1024}k", d, f"{T:g}", m,
-                     ms(f), ratio(f, nf), mb(f), ms(b), ratio(b, nb), mb(b), memr]
+            memr = (
+                f"{nb['peak_mb'] / b['peak_mb']:.1f}x less"
+                if "peak_mb" in b and "peak_mb" in nb and b["peak_mb"] > 0 and m != "naive"
+                else "-"
+            )
+            cells = [
+                f"{N // 1024}k",
+                f"{V // 1024}k",
+                d,
+                f"{T:g}",
+                m,
+                ms(f),
+                ratio(f, nf),
+                mb(f),
+                ms(b),
+                ratio(b, nb),
+                mb(b),
+                memr,
+            ]
             if cuda:
                 esz = {"fp32": 4, "bf16": 2, "fp16": 2}[d]
+
                 def pct(r, passes):
                     return f"{100 * passes * N * V * esz / r['time_s'] / bw:.0f}%" if "time_s" in r else "-"
+
                 cells += [pct(f, 1), pct(b, 3)]
             line = "| " + " | ".join(cells) + " |"
             rows.append(line)

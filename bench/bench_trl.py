@@ -33,6 +33,7 @@ Commands:
     python bench/bench_trl.py --profile ppo                  # torch.profiler: the ops of ppo.py and of TRL's PPO step
     python bench/bench_trl.py --quick --sides ours           # a smoke test in seconds, without TRL
 """
+
 import argparse
 import json
 import os
@@ -47,86 +48,220 @@ from compare_algorithms import ROOT, measured, report  # noqa: E402
 # Each script's own batch shape and learning rate, the same on both sides, plus what aligns our script with TRL's
 # semantics where TRL has no setting for ours (ours_only); bench/trl_runner.py's trl_config does the converse.
 ALGORITHMS = {
-    "ppo": dict(script="ppo.py", venv="/work/venv-trl112", trainer="trl.experimental.ppo.PPOTrainer (TRL 1.12.0)",
-                task="reviews", rollout_batch_size=64, num_generations=1, minibatch_size=16, num_epochs=4,
-                learning_rate=1e-4, kl_coef=0.1, missing_eos_penalty=1.0,
-                ours_only=["--no_adaptive_kl", "--no_normalize_reward"]),
-    "grpo": dict(script="grpo.py", venv="/work/venv-trl116", trainer="trl.GRPOTrainer (TRL 1.16.0)", task="arithmetic",
-                 rollout_batch_size=32, num_generations=8, minibatch_size=64, num_epochs=1, learning_rate=2e-4,
-                 kl_coef=0.04, missing_eos_penalty=0.0, ours_only=[]),
-    "rloo": dict(script="rloo.py", venv="/work/venv-trl116", trainer="trl.RLOOTrainer (TRL 1.16.0)", task="reviews",
-                 rollout_batch_size=16, num_generations=4, minibatch_size=64, num_epochs=1, learning_rate=3e-4,
-                 kl_coef=0.2, missing_eos_penalty=0.0, ours_only=["--no_normalize_reward"]),
+    "ppo": dict(
+        script="ppo.py",
+        venv="/work/venv-trl112",
+        trainer="trl.experimental.ppo.PPOTrainer (TRL 1.12.0)",
+        task="reviews",
+        rollout_batch_size=64,
+        num_generations=1,
+        minibatch_size=16,
+        num_epochs=4,
+        learning_rate=1e-4,
+        kl_coef=0.1,
+        missing_eos_penalty=1.0,
+        ours_only=["--no_adaptive_kl", "--no_normalize_reward"],
+    ),
+    "grpo": dict(
+        script="grpo.py",
+        venv="/work/venv-trl116",
+        trainer="trl.GRPOTrainer (TRL 1.16.0)",
+        task="arithmetic",
+        rollout_batch_size=32,
+        num_generations=8,
+        minibatch_size=64,
+        num_epochs=1,
+        learning_rate=2e-4,
+        kl_coef=0.04,
+        missing_eos_penalty=0.0,
+        ours_only=[],
+    ),
+    "rloo": dict(
+        script="rloo.py",
+        venv="/work/venv-trl116",
+        trainer="trl.RLOOTrainer (TRL 1.16.0)",
+        task="reviews",
+        rollout_batch_size=16,
+        num_generations=4,
+        minibatch_size=64,
+        num_epochs=1,
+        learning_rate=3e-4,
+        kl_coef=0.2,
+        missing_eos_penalty=0.0,
+        ours_only=["--no_normalize_reward"],
+    ),
 }
 # Where TRL's semantics differ from ours: (algorithm, what, ours, TRL, how it is aligned here). Read from the trainers'
 # source in the peer environments (trl/experimental/ppo/ppo_trainer.py of 1.12.0; trl/trainer/{grpo,rloo}_trainer.py
 # of 1.16.0).
 DIFFERENCES = [
-    ("all", "precision, activation checkpointing", "fp32, none", "bf16 and gradient checkpointing on by default",
-     "TRL: bf16=False, gradient_checkpointing=False"),
+    (
+        "all",
+        "precision, activation checkpointing",
+        "fp32, none",
+        "bf16 and gradient checkpointing on by default",
+        "TRL: bf16=False, gradient_checkpointing=False",
+    ),
     ("all", "learning-rate schedule", "constant", "linear decay to 0 by default", "TRL: lr_scheduler_type=constant"),
-    ("all", "optimiser", "torch AdamW (fused), eps 1e-5, weight decay 0.01 on every tensor; PPO: one per model",
-     "Trainer's default adamw_torch_fused (torch >= 2.8), eps 1e-8, weight decay 0 "
-     "(when set: not on biases and norms); PPO: one over policy and critic",
-     "TRL: adam_epsilon=1e-5, weight_decay=0.01; the decay's exemptions stay (no setting on our side)"),
-    ("all", "sampling", "own KV-cache loop, ancestral sampling from the full softmax at T",
-     "model.generate, top_k=0, top_p=1, T (+1e-7 in PPO)", "T=1 on both sides; TRL: top_k=0, top_p=1"),
-    ("ppo", "optimiser steps per rollout", "one per minibatch: 4 epochs x 4 = 16",
-     "gradient_accumulation_steps (4, to make a 64-prompt rollout of 16 per device) also sets accelerate's counter: "
-     "one step every 4 minibatches, 4 per rollout",
-     "runner sets trainer.accelerator.gradient_accumulation_steps = 1 after construction (not a config field); "
-     "16 steps counted by a hook; --ppo_steps as_released keeps 4"),
-    ("ppo", "KL coefficient", "adaptive (Ziegler et al.) by default", "fixed",
-     "ours: --no_adaptive_kl; both 0.1, k1 per token in the reward"),
-    ("ppo", "score normalisation", "running mean and std of all scores by default", "none (whiten_rewards=False)",
-     "ours: --no_normalize_reward"),
+    (
+        "all",
+        "optimiser",
+        "torch AdamW (fused), eps 1e-5, weight decay 0.01 on every tensor; PPO: one per model",
+        "Trainer's default adamw_torch_fused (torch >= 2.8), eps 1e-8, weight decay 0 "
+        "(when set: not on biases and norms); PPO: one over policy and critic",
+        "TRL: adam_epsilon=1e-5, weight_decay=0.01; the decay's exemptions stay (no setting on our side)",
+    ),
+    (
+        "all",
+        "sampling",
+        "own KV-cache loop, ancestral sampling from the full softmax at T",
+        "model.generate, top_k=0, top_p=1, T (+1e-7 in PPO)",
+        "T=1 on both sides; TRL: top_k=0, top_p=1",
+    ),
+    (
+        "ppo",
+        "optimiser steps per rollout",
+        "one per minibatch: 4 epochs x 4 = 16",
+        "gradient_accumulation_steps (4, to make a 64-prompt rollout of 16 per device) also sets accelerate's counter: "
+        "one step every 4 minibatches, 4 per rollout",
+        "runner sets trainer.accelerator.gradient_accumulation_steps = 1 after construction (not a config field); "
+        "16 steps counted by a hook; --ppo_steps as_released keeps 4",
+    ),
+    (
+        "ppo",
+        "KL coefficient",
+        "adaptive (Ziegler et al.) by default",
+        "fixed",
+        "ours: --no_adaptive_kl; both 0.1, k1 per token in the reward",
+    ),
+    (
+        "ppo",
+        "score normalisation",
+        "running mean and std of all scores by default",
+        "none (whiten_rewards=False)",
+        "ours: --no_normalize_reward",
+    ),
     ("ppo", "missing-EOS penalty", "1.0", "none by default", "TRL: missing_eos_penalty=1.0, stop_token=eos"),
     ("ppo", "value loss", "vf_coef x max((V-R)^2, clipped)", "vf_coef x 0.5 x max(...)", "TRL: vf_coef=0.2 = ours 0.1"),
-    ("ppo", "value-loss tokens", "the response up to its EOS", "one position more (padding_mask_p1)",
-     "not aligned (no setting)"),
-    ("ppo", "gradient clipping", "clip_grad_norm_ 1.0 per model every step",
-     "none (the PPO loop never clips; max_grad_norm unused)",
-     "not aligned: ours cannot switch it off (--max_grad_norm must be positive)"),
-    ("ppo", "entropy", "computed in the log-prob kernel, with autograd (ent_coef 0)",
-     "full softmax under no_grad, for the log", "not aligned"),
-    ("ppo", "logprobs_old", "recorded while sampling", "from generate's stacked scores (B x T x V kept)",
-     "same values; TRL holds the scores"),
-    ("ppo", "per-iteration housekeeping", "none", "gc.collect() and empty_cache() every iteration",
-     "counted in TRL's time, as it is part of its loop"),
-    ("grpo", "KL term", "k3 in the loss, beta 0.04", "beta 0 by default (no reference model)",
-     "TRL: beta=0.04 (k3 in the loss)"),
-    ("grpo", "loss aggregation", "token mean over the minibatch's own tokens",
-     "dapo: token sum / (the generation batch's tokens / steps_per_generation)",
-     "TRL: loss_type=dapo; equal when minibatches have equal token counts"),
+    (
+        "ppo",
+        "value-loss tokens",
+        "the response up to its EOS",
+        "one position more (padding_mask_p1)",
+        "not aligned (no setting)",
+    ),
+    (
+        "ppo",
+        "gradient clipping",
+        "clip_grad_norm_ 1.0 per model every step",
+        "none (the PPO loop never clips; max_grad_norm unused)",
+        "not aligned: ours cannot switch it off (--max_grad_norm must be positive)",
+    ),
+    (
+        "ppo",
+        "entropy",
+        "computed in the log-prob kernel, with autograd (ent_coef 0)",
+        "full softmax under no_grad, for the log",
+        "not aligned",
+    ),
+    (
+        "ppo",
+        "logprobs_old",
+        "recorded while sampling",
+        "from generate's stacked scores (B x T x V kept)",
+        "same values; TRL holds the scores",
+    ),
+    (
+        "ppo",
+        "per-iteration housekeeping",
+        "none",
+        "gc.collect() and empty_cache() every iteration",
+        "counted in TRL's time, as it is part of its loop",
+    ),
+    (
+        "grpo",
+        "KL term",
+        "k3 in the loss, beta 0.04",
+        "beta 0 by default (no reference model)",
+        "TRL: beta=0.04 (k3 in the loss)",
+    ),
+    (
+        "grpo",
+        "loss aggregation",
+        "token mean over the minibatch's own tokens",
+        "dapo: token sum / (the generation batch's tokens / steps_per_generation)",
+        "TRL: loss_type=dapo; equal when minibatches have equal token counts",
+    ),
     ("grpo", "missing-EOS penalty", "1.0", "none", "ours: --missing_eos_penalty 0"),
     ("grpo", "group std", "population std", "unbiased (Bessel) std", "not aligned (no setting)"),
-    ("grpo, rloo", "logprobs_old", "recorded while sampling",
-     "an extra policy forward over the whole rollout "
-     "(GRPO: whenever steps_per_generation > gradient_accumulation_steps, here 4 > 1; RLOO: always)",
-     "not aligned: TRL's cost"),
-    ("grpo, rloo", "log-probs in training", "full logits of the response positions, then rlhf_kernels' log-prob kernel",
-     "a fused LM head: log-probs and entropy in tiles of the completion positions, no full logits", "not aligned"),
-    ("grpo, rloo", "position ids in training", "counted over real tokens (left padding)",
-     "none passed: positions count the pad tokens", "not aligned"),
-    ("rloo", "loss", "REINFORCE -A log pi, summed over tokens / (sequences x response_length) (one update per rollout)",
-     "sequence-level clipped ratio of summed log-probs x A, mean over sequences",
-     "same gradient at ratio 1 up to the factor response_length, which Adam all but removes"),
-    ("rloo", "KL", "k1 summed over the response, in the reward, beta 0.2", "the same, beta 0.05 by default",
-     "TRL: beta=0.2"),
-    ("rloo", "score normalisation, missing-EOS penalty", "running moments; 1.0", "none; none",
-     "ours: --no_normalize_reward --missing_eos_penalty 0"),
-    ("rloo", "reward-model input", "the sampled token ids; the score read at the EOS",
-     "completions decoded without special tokens, prompt + completion re-tokenised, right-padded; "
-     "the score at the last non-pad token (not the EOS)",
-     "not aligned (no setting): the reward model reads a different last token"),
+    (
+        "grpo, rloo",
+        "logprobs_old",
+        "recorded while sampling",
+        "an extra policy forward over the whole rollout "
+        "(GRPO: whenever steps_per_generation > gradient_accumulation_steps, here 4 > 1; RLOO: always)",
+        "not aligned: TRL's cost",
+    ),
+    (
+        "grpo, rloo",
+        "log-probs in training",
+        "full logits of the response positions, then rlhf_kernels' log-prob kernel",
+        "a fused LM head: log-probs and entropy in tiles of the completion positions, no full logits",
+        "not aligned",
+    ),
+    (
+        "grpo, rloo",
+        "position ids in training",
+        "counted over real tokens (left padding)",
+        "none passed: positions count the pad tokens",
+        "not aligned",
+    ),
+    (
+        "rloo",
+        "loss",
+        "REINFORCE -A log pi, summed over tokens / (sequences x response_length) (one update per rollout)",
+        "sequence-level clipped ratio of summed log-probs x A, mean over sequences",
+        "same gradient at ratio 1 up to the factor response_length, which Adam all but removes",
+    ),
+    (
+        "rloo",
+        "KL",
+        "k1 summed over the response, in the reward, beta 0.2",
+        "the same, beta 0.05 by default",
+        "TRL: beta=0.2",
+    ),
+    (
+        "rloo",
+        "score normalisation, missing-EOS penalty",
+        "running moments; 1.0",
+        "none; none",
+        "ours: --no_normalize_reward --missing_eos_penalty 0",
+    ),
+    (
+        "rloo",
+        "reward-model input",
+        "the sampled token ids; the score read at the EOS",
+        "completions decoded without special tokens, prompt + completion re-tokenised, right-padded; "
+        "the score at the last non-pad token (not the EOS)",
+        "not aligned (no setting): the reward model reads a different last token",
+    ),
 ]
 TASKS = {"reviews": "assets/reviews/train.jsonl", "arithmetic": "assets/arithmetic/train.jsonl"}
 # iterations per run, for the embedded models and for the 23M one (the first of each is not timed)
 ITERATIONS = {"embedded": {"ppo": 6, "grpo": 8, "rloo": 12}, "random": {"ppo": 3, "grpo": 3, "rloo": 5}}
 REPEATS = {"embedded": 3, "random": 2}  # runs of each side per comparison (--repeats overrides)
-SHAPE = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
-             head_dim=64, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-             max_position_embeddings=1024)
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=1024,
+)
 
 
 def build(folder):
@@ -136,8 +271,14 @@ def build(folder):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
-    config = LlamaConfig(**SHAPE, vocab_size=len(tokenizer), num_labels=1, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        **SHAPE,
+        vocab_size=len(tokenizer),
+        num_labels=1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     for name, model_class in (("policy", LlamaForCausalLM), ("rm", LlamaForSequenceClassification)):
         torch.manual_seed(0)
         model = model_class(config)
@@ -162,24 +303,49 @@ def shared_flags(algorithm, policy, rm, iterations, response_length):
     c = ALGORITHMS[algorithm]
     responses = c["rollout_batch_size"] * c["num_generations"]
     flags = ["--model_name_or_path", policy, "--dataset", TASKS[c["task"]]]
-    flags += (["--reward_model_path", rm] if c["task"] == "reviews"
-              else ["--reward_model_path", "--reward_fn", "arithmetic"])
+    flags += (
+        ["--reward_model_path", rm] if c["task"] == "reviews" else ["--reward_model_path", "--reward_fn", "arithmetic"]
+    )
     flags += ["--total_episodes", str(iterations * responses), "--rollout_batch_size", str(c["rollout_batch_size"])]
     flags += ["--num_generations", str(c["num_generations"])] if algorithm != "ppo" else []
     for key in ("minibatch_size", "num_epochs", "learning_rate", "kl_coef", "missing_eos_penalty"):
         flags += [f"--{key}", str(c[key])]
-    return flags + ["--micro_batch_size", str(c["minibatch_size"]), "--response_length", str(response_length),
-                    "--model_dtype", "float32", "--seed", "1"]
+    return flags + [
+        "--micro_batch_size",
+        str(c["minibatch_size"]),
+        "--response_length",
+        str(response_length),
+        "--model_dtype",
+        "float32",
+        "--seed",
+        "1",
+    ]
 
 
 def commands(algorithm, policy, rm, iterations, response_length, out, venv=None):
     """Our command and TRL's for one comparison: the shared flags, then each side's own."""
     c = ALGORITHMS[algorithm]
     flags = shared_flags(algorithm, policy, rm, iterations, response_length)
-    ours = [sys.executable, os.path.join(ROOT, c["script"]), "--output_dir", os.path.join(out, "ours"), *flags,
-            "--eval_every", "0", "--save_every", "0", *c["ours_only"]]
-    trl = [os.path.join(venv or c["venv"], "bin", "python"), os.path.join(ROOT, "bench", "trl_runner.py"), algorithm,
-           "--output_dir", os.path.join(out, "trl"), *flags]
+    ours = [
+        sys.executable,
+        os.path.join(ROOT, c["script"]),
+        "--output_dir",
+        os.path.join(out, "ours"),
+        *flags,
+        "--eval_every",
+        "0",
+        "--save_every",
+        "0",
+        *c["ours_only"],
+    ]
+    trl = [
+        os.path.join(venv or c["venv"], "bin", "python"),
+        os.path.join(ROOT, "bench", "trl_runner.py"),
+        algorithm,
+        "--output_dir",
+        os.path.join(out, "trl"),
+        *flags,
+    ]
     return {"ours": ours, "trl": trl}
 
 
@@ -208,14 +374,35 @@ def ratio_cell(ours, trl):
 
 # What --profile labels (record_function around each call), per side: the phases of a PPO iteration.
 PROFILED = {
-    "ours": ("ppo", "ppo.main(tyro.cli(ppo.Args, use_underscores=True))",
-             ["ppo.generate", "ppo.score_responses", "ppo.response_logprobs", "ppo.head_outputs", "ppo.token_logprobs",
-              "ppo.policy_loss", "ppo.value_loss", "ppo.gae_advantages", "torch.Tensor.backward",
-              "torch.nn.utils.clip_grad_norm_"]),
-    "trl": ("trl_runner", "trl_runner.main()",
-            ["trl.experimental.ppo.ppo_trainer.batch_generation", "trl.experimental.ppo.ppo_trainer.get_reward",
-             "trl.experimental.ppo.ppo_trainer.forward", "trl.experimental.ppo.ppo_trainer.selective_log_softmax",
-             "trl.experimental.ppo.ppo_trainer.masked_whiten", "torch.Tensor.backward", "torch.nn.functional.softmax"]),
+    "ours": (
+        "ppo",
+        "ppo.main(tyro.cli(ppo.Args, use_underscores=True))",
+        [
+            "ppo.generate",
+            "ppo.score_responses",
+            "ppo.response_logprobs",
+            "ppo.head_outputs",
+            "ppo.token_logprobs",
+            "ppo.policy_loss",
+            "ppo.value_loss",
+            "ppo.gae_advantages",
+            "torch.Tensor.backward",
+            "torch.nn.utils.clip_grad_norm_",
+        ],
+    ),
+    "trl": (
+        "trl_runner",
+        "trl_runner.main()",
+        [
+            "trl.experimental.ppo.ppo_trainer.batch_generation",
+            "trl.experimental.ppo.ppo_trainer.get_reward",
+            "trl.experimental.ppo.ppo_trainer.forward",
+            "trl.experimental.ppo.ppo_trainer.selective_log_softmax",
+            "trl.experimental.ppo.ppo_trainer.masked_whiten",
+            "torch.Tensor.backward",
+            "torch.nn.functional.softmax",
+        ],
+    ),
 }
 PRELUDE = """
 import importlib, json, os, sys, torch, tyro
@@ -263,20 +450,33 @@ def profile(algorithm, policy, rm, iterations, out, venv):
         measured(cmd, log)
         text = open(log).read()
         ops, labels = text[text.index("PROFILE") + 8 : text.index("LABELS")], text[text.index("LABELS") + 7 :]
-        lines += [f"### {side}: {iterations} iterations, loading included", "",
-                  "| function | calls | total CPU ms |", "|---|---:|---:|",
-                  labels.rstrip(), "", "```", ops.rstrip(), "```", ""]
+        lines += [
+            f"### {side}: {iterations} iterations, loading included",
+            "",
+            "| function | calls | total CPU ms |",
+            "|---|---:|---:|",
+            labels.rstrip(),
+            "",
+            "```",
+            ops.rstrip(),
+            "```",
+            "",
+        ]
     report(lines, os.path.join(out, "profile.md"))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--algorithms", default="ppo,grpo,rloo")
-    p.add_argument("--models", default="embedded,random",
-                   help="embedded: assets/tiny-sft and tiny-rm; random: the 23M Llama built here")
+    p.add_argument(
+        "--models",
+        default="embedded,random",
+        help="embedded: assets/tiny-sft and tiny-rm; random: the 23M Llama built here",
+    )
     p.add_argument("--sides", default="ours,trl", help="ours,trl; 'ours' alone runs without TRL (a smoke test)")
-    p.add_argument("--repeats", type=int,
-                   help="runs of each side per comparison, alternating (default: 3 embedded, 2 random)")
+    p.add_argument(
+        "--repeats", type=int, help="runs of each side per comparison, alternating (default: 3 embedded, 2 random)"
+    )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS / MKL_NUM_THREADS of every run")
     p.add_argument("--venv_trl116", default="/work/venv-trl116", help="peer environment with trl==1.16.0 (GRPO, RLOO)")
     p.add_argument("--venv_trl112", default="/work/venv-trl112", help="peer environment with trl==1.12.0 (PPO)")
@@ -294,8 +494,14 @@ def main():
     names = ["embedded"] if a.quick else a.models.split(",")
     if a.profile:
         policy, rm = model_paths(a.profile_models, a.runs)
-        return profile(a.profile, policy, rm, ITERATIONS[a.profile_models][a.profile],
-                       os.path.join(a.runs, "profile", a.profile_models), venvs[ALGORITHMS[a.profile]["venv"]])
+        return profile(
+            a.profile,
+            policy,
+            rm,
+            ITERATIONS[a.profile_models][a.profile],
+            os.path.join(a.runs, "profile", a.profile_models),
+            venvs[ALGORITHMS[a.profile]["venv"]],
+        )
     sides = a.sides.split(",")
     models = {m: model_paths(m, a.runs) for m in names}
     repeats = {m: 1 if a.quick else a.repeats or REPEATS[m] for m in models}
@@ -304,17 +510,28 @@ def main():
     times = {(m, alg, s): [] for m, alg in pairs for s in sides}  # per run: its iteration times
     peaks, steps = {k: [] for k in times}, {}
     baseline = {}  # MB of a process that only imports what the side imports
-    for side, python, code in (("ours", sys.executable, "import torch, transformers, tyro; import ppo"),
-                               ("trl", os.path.join(a.venv_trl116, "bin", "python"),
-                                "import torch, transformers, trl; from trl import GRPOTrainer")):
+    for side, python, code in (
+        ("ours", sys.executable, "import torch, transformers, tyro; import ppo"),
+        (
+            "trl",
+            os.path.join(a.venv_trl116, "bin", "python"),
+            "import torch, transformers, trl; from trl import GRPOTrainer",
+        ),
+    ):
         if side in sides:
             baseline[side] = measured([python, "-c", code], os.devnull)
     for r in range(max(repeats.values())):
         for m, alg in [(m, alg) for m, alg in pairs if r < repeats[m]]:
             iterations = 3 if a.quick else ITERATIONS[m][alg]
-            cmds = commands(alg, *models[m], iterations, response_length, os.path.join(a.runs, m, alg),
-                            venvs[ALGORITHMS[alg]["venv"]])
-            for side in (sides if r % 2 == 0 else sides[::-1]):  # ABBA: each side goes first in every other repeat
+            cmds = commands(
+                alg,
+                *models[m],
+                iterations,
+                response_length,
+                os.path.join(a.runs, m, alg),
+                venvs[ALGORITHMS[alg]["venv"]],
+            )
+            for side in sides if r % 2 == 0 else sides[::-1]:  # ABBA: each side goes first in every other repeat
                 out = cmds[side][cmds[side].index("--output_dir") + 1]
                 shutil.rmtree(out, ignore_errors=True)  # a new run each time (a folder with checkpoints is refused)
                 os.makedirs(out, exist_ok=True)
@@ -322,36 +539,61 @@ def main():
                 metrics = os.path.join(out, "metrics.jsonl")
                 times[m, alg, side].append(iteration_times(side, metrics))
                 steps[m, alg, side] = steps_per_iteration(side, alg, metrics)
-                print(f"{m} {alg} {side} run {r + 1}: "
-                      f"median {statistics.median(times[m, alg, side][-1]):.2f} s per iteration, "
-                      f"{peaks[m, alg, side][-1]:,.0f} MB", flush=True)
-    lines = [f"Time per iteration (median over runs x iterations, first iteration of each run left out) and peak "
-             "resident memory (median over runs); "
-             f"{', '.join(f'{n} runs of each side with the {m} models' for m, n in repeats.items())}, alternating; "
-             f"{a.threads} thread(s); fp32; {response_length}-token responses.", "",
-             "| models | algorithm | TRL trainer | ours s/iter | TRL s/iter | **time ours/TRL** | per-run ratios | "
-             "ours MB | TRL MB | **memory ours/TRL** | optimiser steps per iteration (ours, TRL) |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+                print(
+                    f"{m} {alg} {side} run {r + 1}: "
+                    f"median {statistics.median(times[m, alg, side][-1]):.2f} s per iteration, "
+                    f"{peaks[m, alg, side][-1]:,.0f} MB",
+                    flush=True,
+                )
+    lines = [
+        f"Time per iteration (median over runs x iterations, first iteration of each run left out) and peak "
+        "resident memory (median over runs); "
+        f"{', '.join(f'{n} runs of each side with the {m} models' for m, n in repeats.items())}, alternating; "
+        f"{a.threads} thread(s); fp32; {response_length}-token responses.",
+        "",
+        "| models | algorithm | TRL trainer | ours s/iter | TRL s/iter | **time ours/TRL** | per-run ratios | "
+        "ours MB | TRL MB | **memory ours/TRL** | optimiser steps per iteration (ours, TRL) |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
     for m, alg in pairs:
-        t = {s: statistics.median([x for run in times[m, alg, s] for x in run]) if s in sides else None
-             for s in ("ours", "trl")}
+        t = {
+            s: statistics.median([x for run in times[m, alg, s] for x in run]) if s in sides else None
+            for s in ("ours", "trl")
+        }
         mb = {s: statistics.median(peaks[m, alg, s]) if s in sides else None for s in ("ours", "trl")}
-        per_run = (", ".join(ratio_cell(statistics.median(o), statistics.median(q))
-                             for o, q in zip(times[m, alg, "ours"], times[m, alg, "trl"]))
-                   if len(sides) == 2 else "n/a")
+        per_run = (
+            ", ".join(
+                ratio_cell(statistics.median(o), statistics.median(q))
+                for o, q in zip(times[m, alg, "ours"], times[m, alg, "trl"])
+            )
+            if len(sides) == 2
+            else "n/a"
+        )
         fmt = lambda x, f: format(x, f) if x is not None else "n/a"  # noqa: E731
-        lines.append(f"| {m} | {alg} | {ALGORITHMS[alg]['trainer']} | {fmt(t['ours'], '.2f')} | "
-                     f"{fmt(t['trl'], '.2f')} | **{ratio_cell(t['ours'], t['trl'])}** | "
-                     f"{per_run} | {fmt(mb['ours'], ',.0f')} | {fmt(mb['trl'], ',.0f')} | "
-                     f"**{ratio_cell(mb['ours'], mb['trl'])}** | "
-                     f"{steps.get((m, alg, 'ours'), 'n/a')}, {steps.get((m, alg, 'trl'), 'n/a')} |")
-    lines += ["", "Per-run medians, s per iteration (spread): " + "; ".join(
-        f"{m} {alg} {s} " + " / ".join(f"{statistics.median(run):.2f}" for run in times[m, alg, s])
-        for m, alg in pairs for s in sides), "",
-        "A process that only imports: " + ", ".join(f"{s} {mb:,.0f} MB" for s, mb in baseline.items()) + ".", "",
-        "Where TRL's semantics differ from ours, and what was done about it:", "",
-        "| algorithm | what | ours | TRL | aligned how |", "|---|---|---|---|---|",
-        *(f"| {' | '.join(row)} |" for row in DIFFERENCES)]
+        lines.append(
+            f"| {m} | {alg} | {ALGORITHMS[alg]['trainer']} | {fmt(t['ours'], '.2f')} | "
+            f"{fmt(t['trl'], '.2f')} | **{ratio_cell(t['ours'], t['trl'])}** | "
+            f"{per_run} | {fmt(mb['ours'], ',.0f')} | {fmt(mb['trl'], ',.0f')} | "
+            f"**{ratio_cell(mb['ours'], mb['trl'])}** | "
+            f"{steps.get((m, alg, 'ours'), 'n/a')}, {steps.get((m, alg, 'trl'), 'n/a')} |"
+        )
+    lines += [
+        "",
+        "Per-run medians, s per iteration (spread): "
+        + "; ".join(
+            f"{m} {alg} {s} " + " / ".join(f"{statistics.median(run):.2f}" for run in times[m, alg, s])
+            for m, alg in pairs
+            for s in sides
+        ),
+        "",
+        "A process that only imports: " + ", ".join(f"{s} {mb:,.0f} MB" for s, mb in baseline.items()) + ".",
+        "",
+        "Where TRL's semantics differ from ours, and what was done about it:",
+        "",
+        "| algorithm | what | ours | TRL | aligned how |",
+        "|---|---|---|---|---|",
+        *(f"| {' | '.join(row)} |" for row in DIFFERENCES),
+    ]
     report(lines, a.out)
 
 

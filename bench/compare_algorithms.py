@@ -9,6 +9,7 @@ Each script runs with its own defaults (batch sizes, learning rate, KL weight an
 for the task: the dataset, the reward, and the number of responses, which is the same for the three. Runs go one
 after the other, so that their wall times are comparable; peak memory is each process's maximum resident set.
 """
+
 import argparse
 import importlib.util
 import os
@@ -23,13 +24,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = {"PPO": "ppo.py", "GRPO": "grpo.py", "RLOO": "rloo.py"}
 RESPONSES_PER_ITERATION = {"PPO": 64, "GRPO": 256, "RLOO": 64}  # the scripts' defaults
 TASKS = {
-    "reviews": dict(responses=9600,
-                    args=["--dataset", "assets/reviews/train.jsonl", "--reward_model_path", "assets/tiny-rm"],
-                    score="held-out reward-model score (T = 1)"),
-    "arithmetic": dict(responses=25600,
-                       args=["--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic",
-                             "--reward_model_path"],
-                       score="held-out accuracy (T = 1)"),
+    "reviews": dict(
+        responses=9600,
+        args=["--dataset", "assets/reviews/train.jsonl", "--reward_model_path", "assets/tiny-rm"],
+        score="held-out reward-model score (T = 1)",
+    ),
+    "arithmetic": dict(
+        responses=25600,
+        args=["--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path"],
+        score="held-out accuracy (T = 1)",
+    ),
 }
 
 
@@ -37,8 +41,9 @@ def measured(cmd, log_path):
     """Run a command from the repository root, offline; return its peak resident memory in MB (this child's own,
     from wait4). Its output goes to log_path."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"},
-                                stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}, stdout=log, stderr=log
+        )
         _, status, usage = os.wait4(proc.pid, 0)
     if status != 0:
         raise SystemExit(f"{' '.join(cmd[1:3])} failed; see {log_path}")
@@ -56,9 +61,19 @@ def report(lines, out):
 def run(algorithm, task, out, responses, evaluations):
     """One training run in a subprocess; returns its metrics rows and its peak resident memory in MB."""
     iterations = responses // RESPONSES_PER_ITERATION[algorithm]
-    cmd = [sys.executable, os.path.join(ROOT, SCRIPTS[algorithm]), "--output_dir", out, *TASKS[task]["args"],
-           "--total_episodes", str(responses), "--eval_every", str(max(1, iterations // evaluations)),
-           "--save_every", "0"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, SCRIPTS[algorithm]),
+        "--output_dir",
+        out,
+        *TASKS[task]["args"],
+        "--total_episodes",
+        str(responses),
+        "--eval_every",
+        str(max(1, iterations // evaluations)),
+        "--save_every",
+        "0",
+    ]
     if task == "reviews":  # grpo.py's default task is arithmetic: no rule reward here
         cmd += ["--reward_fn"] if algorithm == "GRPO" else []
     shutil.rmtree(out, ignore_errors=True)  # a new run each time (a folder with checkpoints is refused)
@@ -82,8 +97,9 @@ def main():
     p.add_argument("--tasks", default="reviews,arithmetic")
     p.add_argument("--algorithms", default="PPO,GRPO,RLOO")
     p.add_argument("--runs", default="runs/compare", help="where the runs are written")
-    p.add_argument("--evaluations", type=int, default=10,
-                   help="held-out evaluations per run (plus one before training)")
+    p.add_argument(
+        "--evaluations", type=int, default=10, help="held-out evaluations per run (plus one before training)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 256 responses, 8-token responses, 2 evaluations")
     p.add_argument("--out", help="also write the tables (markdown) here")
     p.add_argument("--plots", default="bench", help="folder for the compare_<task>.png plots")
@@ -94,19 +110,24 @@ def main():
         a.evaluations = 1
     lines = []
     for task in a.tasks.split(","):
-        lines += [f"### {task}: {TASKS[task]['responses']} responses each", "",
-                  f"| algorithm | {TASKS[task]['score']}: start → end (best) | KL to reference, end | "
-                  "tokens generated | minutes | peak memory MB |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            f"### {task}: {TASKS[task]['responses']} responses each",
+            "",
+            f"| algorithm | {TASKS[task]['score']}: start → end (best) | KL to reference, end | "
+            "tokens generated | minutes | peak memory MB |",
+            "|---|---|---|---|---|---|",
+        ]
         paths, labels = [], []
         for algorithm in a.algorithms.split(","):
             out = os.path.join(a.runs, task, algorithm.lower())
             rows, peak_mb = run(algorithm, task, out, TASKS[task]["responses"], a.evaluations)
             held_out = [r["eval/score"] for r in rows if "eval/score" in r]
             kl = [r["objective/kl"] for r in rows if "objective/kl" in r]
-            lines.append(f"| {algorithm} | {held_out[0]:.3f} → {held_out[-1]:.3f} ({max(held_out):.3f}) | "
-                         f"{kl[-1]:.2f} | {generated_tokens(rows):,.0f} | {rows[-1]['time/elapsed'] / 60:.1f} | "
-                         f"{peak_mb:,.0f} |")
+            lines.append(
+                f"| {algorithm} | {held_out[0]:.3f} → {held_out[-1]:.3f} ({max(held_out):.3f}) | "
+                f"{kl[-1]:.2f} | {generated_tokens(rows):,.0f} | {rows[-1]['time/elapsed'] / 60:.1f} | "
+                f"{peak_mb:,.0f} |"
+            )
             print(lines[-1], flush=True)
             paths.append(os.path.join(out, "metrics.jsonl"))
             labels.append(algorithm)
@@ -114,11 +135,25 @@ def main():
         if importlib.util.find_spec("matplotlib") is None:
             print("matplotlib is not installed (pip install -r bench/requirements.txt): no plot")
             continue
-        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plot_metrics.py"), *paths,
-                        "--labels", *labels, "--x", "minutes",
-                        "--panels", "eval/score", "objective/kl", "response/length",
-                        "--out", os.path.join(a.plots, f"compare_{task}.png")],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "bench", "plot_metrics.py"),
+                *paths,
+                "--labels",
+                *labels,
+                "--x",
+                "minutes",
+                "--panels",
+                "eval/score",
+                "objective/kl",
+                "response/length",
+                "--out",
+                os.path.join(a.plots, f"compare_{task}.png"),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     report(lines, a.out)
 
 

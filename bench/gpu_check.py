@@ -31,6 +31,7 @@ With --device cpu every row runs on tiny shapes (the 0.5B shape becomes memory_a
 of width 64; the loops compared are dynamic and static, as CUDA graphs need CUDA; torchrun uses gloo): it checks that
 each step of the script runs, not any number. tests/test_gpu_check.py runs parts of it.
 """
+
 import argparse
 import datetime
 import json
@@ -56,25 +57,109 @@ def sizes(device):
     if device == "cuda":
         return dict(
             kernels=["-k", "cuda"],
-            generation=["--dtype", "bfloat16", "--models", "tiny,qwen0.5b-shape", "--batches", "64,256",
-                        "--new-tokens", "128", "--methods", "scripts,cuda-graph,hf-generate", "--repeats", "2"],
-            recipe_mem=["--dtype", "bfloat16", "--models", "qwen0.5b-shape", "--batches", "320",
-                        "--new-tokens", "1024", "--methods", "cuda-graph", "--repeats", "1"],
-            shape=SHAPE, old="dynamic", new="cuda_graph", prompts=64, tokens=128, recipe_tokens=1024, lora_r=32,
-            generations=5, micro=8, real_tokens=["--dtype", "bfloat16", "--gsm8k-rows", "40", "--repeats", "2"],
-            prefill=["--dtype", "bfloat16", "--gsm8k-rows", "40", "--repeats", "2", "--new-tokens", "128", "--decode",
-                     "cuda_graph"],
+            generation=[
+                "--dtype",
+                "bfloat16",
+                "--models",
+                "tiny,qwen0.5b-shape",
+                "--batches",
+                "64,256",
+                "--new-tokens",
+                "128",
+                "--methods",
+                "scripts,cuda-graph,hf-generate",
+                "--repeats",
+                "2",
+            ],
+            recipe_mem=[
+                "--dtype",
+                "bfloat16",
+                "--models",
+                "qwen0.5b-shape",
+                "--batches",
+                "320",
+                "--new-tokens",
+                "1024",
+                "--methods",
+                "cuda-graph",
+                "--repeats",
+                "1",
+            ],
+            shape=SHAPE,
+            old="dynamic",
+            new="cuda_graph",
+            prompts=64,
+            tokens=128,
+            recipe_tokens=1024,
+            lora_r=32,
+            generations=5,
+            micro=8,
+            real_tokens=["--dtype", "bfloat16", "--gsm8k-rows", "40", "--repeats", "2"],
+            prefill=[
+                "--dtype",
+                "bfloat16",
+                "--gsm8k-rows",
+                "40",
+                "--repeats",
+                "2",
+                "--new-tokens",
+                "128",
+                "--decode",
+                "cuda_graph",
+            ],
         )
     return dict(
         kernels=["-k", "check_range"],
-        generation=["--models", "tiny", "--batches", "8", "--new-tokens", "8", "--threads", "1",
-                    "--methods", "scripts,static,hf-generate", "--repeats", "1"],
-        recipe_mem=["--models", "tiny", "--batches", "8", "--new-tokens", "16", "--threads", "1", "--methods", "static",
-                    "--repeats", "1"],
-        shape=SMALL, old="dynamic", new="static", prompts=4, tokens=8, recipe_tokens=16, lora_r=4, generations=2,
-        micro=4, real_tokens=["--gsm8k-rows", "10", "--length-scale", "0.05", "--repeats", "1"],
-        prefill=["--gsm8k-rows", "10", "--length-scale", "0.05", "--repeats", "1", "--new-tokens", "8", "--decode",
-                 "static"],
+        generation=[
+            "--models",
+            "tiny",
+            "--batches",
+            "8",
+            "--new-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--methods",
+            "scripts,static,hf-generate",
+            "--repeats",
+            "1",
+        ],
+        recipe_mem=[
+            "--models",
+            "tiny",
+            "--batches",
+            "8",
+            "--new-tokens",
+            "16",
+            "--threads",
+            "1",
+            "--methods",
+            "static",
+            "--repeats",
+            "1",
+        ],
+        shape=SMALL,
+        old="dynamic",
+        new="static",
+        prompts=4,
+        tokens=8,
+        recipe_tokens=16,
+        lora_r=4,
+        generations=2,
+        micro=4,
+        real_tokens=["--gsm8k-rows", "10", "--length-scale", "0.05", "--repeats", "1"],
+        prefill=[
+            "--gsm8k-rows",
+            "10",
+            "--length-scale",
+            "0.05",
+            "--repeats",
+            "1",
+            "--new-tokens",
+            "8",
+            "--decode",
+            "static",
+        ],
     )
 
 
@@ -127,8 +212,20 @@ def ratio(text):
 # ----------------------------------------------------------------------------------------------- the rows
 def row_kernels(ctx, timeout):
     env = {"TRITON_INTERPRET": "0" if ctx["device"] == "cuda" else "1"}
-    code, output = call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                         os.path.join(ROOT, "tests", "test_kernels.py"), *ctx["sizes"]["kernels"]], timeout, env)
+    code, output = call(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            os.path.join(ROOT, "tests", "test_kernels.py"),
+            *ctx["sizes"]["kernels"],
+        ],
+        timeout,
+        env,
+    )
     last = output.strip().splitlines()[-1] if output.strip() else "no output"
     return code == 0 and " passed" in last, last, tail(output, 5)
 
@@ -137,14 +234,26 @@ def row_generation(ctx, timeout, key="generation"):
     """bench_generate.py's table; it passes when the run does and the new loop makes the tokens of the static loop run
     op by op (the eager path). The tokens against the old loop are reported: bf16 rounding may flip a near tie."""
     out = os.path.join(ctx["tmp"], f"{key}.md")
-    code, output = call([sys.executable, os.path.join(HERE, "bench_generate.py"), "--device", ctx["device"],
-                         *ctx["sizes"][key], "--out", out], timeout)
+    code, output = call(
+        [
+            sys.executable,
+            os.path.join(HERE, "bench_generate.py"),
+            "--device",
+            ctx["device"],
+            *ctx["sizes"][key],
+            "--out",
+            out,
+        ],
+        timeout,
+    )
     ctx[key] = bench_table(out)
     table = open(out).read().splitlines() if os.path.exists(out) else []
     old = sorted({r["same tokens (sampled, greedy)"] for r in ctx[key].values()} - {"-"})
     eager = [r["same as static, op by op"] for r in ctx[key].values() if r["same as static, op by op"] != "-"]
-    summary = (f"{len(ctx[key])} rows; same tokens as the old loop: {', '.join(old) or '-'}; as the eager path: "
-               f"{', '.join(sorted(set(eager))) or '-'}")
+    summary = (
+        f"{len(ctx[key])} rows; same tokens as the old loop: {', '.join(old) or '-'}; as the eager path: "
+        f"{', '.join(sorted(set(eager))) or '-'}"
+    )
     return code == 0 and bool(ctx[key]) and all(s == "yes, yes" for s in eager), summary, table or tail(output)
 
 
@@ -168,16 +277,19 @@ def old_and_new(ctx, timeout, script, args):
     lines = ["| loop | iteration | time/iteration s | time/generate s | response length |", "|---|---:|---:|---:|---:|"]
     for decode in (s["new"], s["old"]):
         out, left = os.path.join(ctx["tmp"], f"{script}-{decode}"), timeout - (time.time() - started)
-        code, output, rows = script_run(script, out, 0.4 * left if decode == s["new"] else left, *args,
-                                        "--decode", decode)
+        code, output, rows = script_run(
+            script, out, 0.4 * left if decode == s["new"] else left, *args, "--decode", decode
+        )
         rows = [r for r in rows if "time/iteration" in r]
         if not rows:
             return False, f"--decode {decode} failed ({code})", lines + tail(output)
         if code != 0:
             notes.append(f"--decode {decode} stopped ({code}) after {len(rows)} iterations")
         for r in rows:
-            lines.append(f"| {decode} | {r['iteration']} | {r['time/iteration']:.2f} | {r['time/generate']:.2f} | "
-                         f"{r['response/length']:.0f} |")
+            lines.append(
+                f"| {decode} | {r['iteration']} | {r['time/iteration']:.2f} | {r['time/generate']:.2f} | "
+                f"{r['response/length']:.0f} |"
+            )
         seconds[decode] = [r["time/iteration"] for r in rows]
     last = min(len(seconds[s["new"]]), len(seconds[s["old"]])) - 1  # the first holds the capture and warm-ups
     new, old = seconds[s["new"]][last], seconds[s["old"]][last]
@@ -188,24 +300,73 @@ def old_and_new(ctx, timeout, script, args):
 
 def ppo_args(s, policy, rm):
     """PPO at the 0.5B shape: 64 prompts x 128 tokens in bf16 (a tiny rollout on the CPU)."""
-    args = ["--model_name_or_path", policy, "--reward_model_path", rm, "--model_dtype", "bfloat16",
-            "--total_episodes", str(2 * s["prompts"]), "--rollout_batch_size", str(s["prompts"]),
-            "--response_length", str(s["tokens"]), "--eval_every", "0", "--save_every", "0"]
-    return args + ([] if s["new"] == "cuda_graph" else ["--minibatch_size", "4", "--micro_batch_size", "4",
-                                                        "--num_epochs", "1"])
+    args = [
+        "--model_name_or_path",
+        policy,
+        "--reward_model_path",
+        rm,
+        "--model_dtype",
+        "bfloat16",
+        "--total_episodes",
+        str(2 * s["prompts"]),
+        "--rollout_batch_size",
+        str(s["prompts"]),
+        "--response_length",
+        str(s["tokens"]),
+        "--eval_every",
+        "0",
+        "--save_every",
+        "0",
+    ]
+    return args + (
+        [] if s["new"] == "cuda_graph" else ["--minibatch_size", "4", "--micro_batch_size", "4", "--num_epochs", "1"]
+    )
 
 
 def grpo_args(s, policy):
     """The README's GRPO GSM8K recipe with its shapes (the arithmetic prompts and rule stand in for GSM8K's, which
     need the hub): --mixed_precision, LoRA rank 32, 64 prompts x 5, 1,024 new tokens, one step per rollout."""
     responses = s["prompts"] * s["generations"]
-    return ["--model_name_or_path", policy, "--mixed_precision", "--dataset", "assets/arithmetic/train.jsonl",
-            "--reward_model_path", "--reward_fn", "arithmetic", "--num_generations", str(s["generations"]),
-            "--rollout_batch_size", str(s["prompts"]), "--minibatch_size", str(responses),
-            "--micro_batch_size", str(s["micro"]), "--num_epochs", "1", "--total_episodes", str(2 * responses),
-            "--learning_rate", "3e-5", "--lora_r", str(s["lora_r"]), "--lora_alpha", str(s["lora_r"]),
-            "--kl_coef", "0.001", "--ent_coef", "0.001", "--response_length", str(s["recipe_tokens"]),
-            "--max_prompt_length", "512", "--eval_every", "0", "--save_every", "0"]
+    return [
+        "--model_name_or_path",
+        policy,
+        "--mixed_precision",
+        "--dataset",
+        "assets/arithmetic/train.jsonl",
+        "--reward_model_path",
+        "--reward_fn",
+        "arithmetic",
+        "--num_generations",
+        str(s["generations"]),
+        "--rollout_batch_size",
+        str(s["prompts"]),
+        "--minibatch_size",
+        str(responses),
+        "--micro_batch_size",
+        str(s["micro"]),
+        "--num_epochs",
+        "1",
+        "--total_episodes",
+        str(2 * responses),
+        "--learning_rate",
+        "3e-5",
+        "--lora_r",
+        str(s["lora_r"]),
+        "--lora_alpha",
+        str(s["lora_r"]),
+        "--kl_coef",
+        "0.001",
+        "--ent_coef",
+        "0.001",
+        "--response_length",
+        str(s["recipe_tokens"]),
+        "--max_prompt_length",
+        "512",
+        "--eval_every",
+        "0",
+        "--save_every",
+        "0",
+    ]
 
 
 def torchrun_args(script):
@@ -213,9 +374,22 @@ def torchrun_args(script):
     keeps the dynamic one under torchrun), so that its cache of fixed shape runs under FSDP2 on a GPU too."""
     group = ["--rollout_batch_size", "4", "--num_generations", "4", "--minibatch_size", "16", "--micro_batch_size", "8"]
     sizes = ["--rollout_batch_size", "16", "--minibatch_size", "8", "--micro_batch_size", "4"]
-    return [*(sizes if script == "ppo.py" else group), "--total_episodes", "48", "--response_length", "16",
-            "--mixed_precision", "--decode", "static", "--save_every", "1", "--eval_every", "3",
-            "--eval_batch_size", "32"]
+    return [
+        *(sizes if script == "ppo.py" else group),
+        "--total_episodes",
+        "48",
+        "--response_length",
+        "16",
+        "--mixed_precision",
+        "--decode",
+        "static",
+        "--save_every",
+        "1",
+        "--eval_every",
+        "3",
+        "--eval_batch_size",
+        "32",
+    ]
 
 
 def row_ppo(ctx, timeout):
@@ -230,9 +404,24 @@ def real_tokens_part(ctx, timeout, part):
     """A part of bench/real_tokens.py at the recipe's lengths on the random 0.5B-shape policy: (return code, the
     table's lines, the output)."""
     out = os.path.join(ctx["tmp"], f"real_tokens_{part}.md")
-    code, output = call([sys.executable, os.path.join(HERE, "real_tokens.py"), "--part", part, "--settings", "gsm8k",
-                         "--policy", random_models(ctx)[0], "--device", ctx["device"],
-                         *ctx["sizes"]["real_tokens" if part == "layouts" else part], "--out", out], timeout)
+    code, output = call(
+        [
+            sys.executable,
+            os.path.join(HERE, "real_tokens.py"),
+            "--part",
+            part,
+            "--settings",
+            "gsm8k",
+            "--policy",
+            random_models(ctx)[0],
+            "--device",
+            ctx["device"],
+            *ctx["sizes"]["real_tokens" if part == "layouts" else part],
+            "--out",
+            out,
+        ],
+        timeout,
+    )
     table = [line for line in open(out).read().splitlines() if line.startswith("|")] if os.path.exists(out) else []
     return code, table, output
 
@@ -242,7 +431,8 @@ def row_real_tokens(ctx, timeout):
     equal the padded ones (the bench checks them before timing) and every layout was timed."""
     code, table, output = real_tokens_part(ctx, timeout, "layouts")
     summary = "sorted and cut, packed / padded with the full head: " + (
-        ", ".join(table[-1].strip("| ").split(" | ")[-2:]) if len(table) > 2 else "-")
+        ", ".join(table[-1].strip("| ").split(" | ")[-2:]) if len(table) > 2 else "-"
+    )
     return code == 0 and len(table) > 2, summary, table or tail(output)
 
 
@@ -258,8 +448,10 @@ def row_prefill(ctx, timeout):
 def row_torchrun(ctx, timeout):
     """Each script on the embedded models: three iterations under torchrun with --mixed_precision, a checkpoint each,
     then the third again from the second's checkpoint; compared: every logged number of the third iteration."""
-    lines = ["| script | three iterations | resumed from checkpoint-2 | largest relative difference, iteration 3 |",
-             "|---|---|---|---:|"]
+    lines = [
+        "| script | three iterations | resumed from checkpoint-2 | largest relative difference, iteration 3 |",
+        "|---|---|---|---:|",
+    ]
     ok, started = True, time.time()
     for script in SCRIPTS:
         args = torchrun_args(script)
@@ -268,8 +460,9 @@ def row_torchrun(ctx, timeout):
         code, output, rows = script_run(script, full, left / 2, *args, torchrun=True)
         if code == 0:
             left = timeout - (time.time() - started)
-            code, output, again = script_run(script, resumed, left, *args, "--resume",
-                                             os.path.join(full, "checkpoint-2"), torchrun=True)
+            code, output, again = script_run(
+                script, resumed, left, *args, "--resume", os.path.join(full, "checkpoint-2"), torchrun=True
+            )
         if code != 0:
             lines.append(f"| {script} | failed ({code}) | | |")
             return False, f"{script} failed", lines + tail(output)
@@ -279,17 +472,26 @@ def row_torchrun(ctx, timeout):
         finite = all(math.isfinite(r[k]) for r in rows + again for k in numbers if isinstance(r.get(k), float))
         right = [r["iteration"] for r in rows] == [0, 1, 2, 3] and again[-1]["iteration"] == 3 and finite
         ok = ok and right
-        lines.append(f"| {script} | iterations {[r['iteration'] for r in rows]} | iteration {last_again['iteration']}, "
-                     f"{'finite' if finite else 'NOT finite'} | {worst:.1e} |")
+        lines.append(
+            f"| {script} | iterations {[r['iteration'] for r in rows]} | iteration {last_again['iteration']}, "
+            f"{'finite' if finite else 'NOT finite'} | {worst:.1e} |"
+        )
     return ok, "three scripts, NCCL/gloo, FSDP2, --mixed_precision, DCP checkpoint and resume", lines
 
 
 # (name, row, the most seconds it may take). Expected on one H100 or H200, from the old loop's 25 ms per decode step
 # of the 0.5B shape: about 40, 110, 15, 75 (building the random models included), 150, 30, 20 and 90 s: 530 of the
 # 530, so that a slow row leaves torchrun out rather than the rest.
-ROWS = [("kernels", row_kernels, 90), ("generation", row_generation, 150), ("recipe-mem", row_recipe_memory, 40),
-        ("ppo", row_ppo, 120), ("grpo-gsm8k", row_grpo_gsm8k, 200), ("real-tokens", row_real_tokens, 60),
-        ("prefill", row_prefill, 30), ("torchrun", row_torchrun, 150)]
+ROWS = [
+    ("kernels", row_kernels, 90),
+    ("generation", row_generation, 150),
+    ("recipe-mem", row_recipe_memory, 40),
+    ("ppo", row_ppo, 120),
+    ("grpo-gsm8k", row_grpo_gsm8k, 200),
+    ("real-tokens", row_real_tokens, 60),
+    ("prefill", row_prefill, 30),
+    ("torchrun", row_torchrun, 150),
+]
 
 
 # ---------------------------------------------------------------------------------------------- the report
@@ -302,24 +504,48 @@ def targets(ctx):
     def speedup(model, batch):
         return ratio(table.get((model, batch, 128, "cuda-graph"), {}).get("vs scripts"))
 
-    found = [("0.5B shape, bf16, 256 x 128: the new loop's tokens/s >= 10x the old one's",
-              speedup("qwen0.5b-shape", 256), 10),
-             ("0.5B shape, bf16, 64 x 128: >= 5x", speedup("qwen0.5b-shape", 64), 5),
-             ("tiny model, 256 x 128: >= 10x", speedup("tiny", 256), 10)]
+    found = [
+        (
+            "0.5B shape, bf16, 256 x 128: the new loop's tokens/s >= 10x the old one's",
+            speedup("qwen0.5b-shape", 256),
+            10,
+        ),
+        ("0.5B shape, bf16, 64 x 128: >= 5x", speedup("qwen0.5b-shape", 64), 5),
+        ("tiny model, 256 x 128: >= 10x", speedup("tiny", 256), 10),
+    ]
     rows = [(what, f"{x:.2f}x", x >= goal) for what, x, goal in found]
     graph = [r for r in table.values() if r["method"] == "cuda-graph"]
     eager = [r["same as static, op by op"] for r in graph]
-    rows.append(("the same tokens as the eager path (the static loop op by op), from the same uniforms and greedy",
-                 ", ".join(eager) or "-", bool(eager) and all(s == "yes, yes" for s in eager)))
-    rows.append(("(not a target) the same tokens as the old loop; its largest log-prob difference",
-                 "; ".join(f"{r['same tokens (sampled, greedy)']} ({r['max abs logp diff']})" for r in graph) or "-",
-                 None))
+    rows.append(
+        (
+            "the same tokens as the eager path (the static loop op by op), from the same uniforms and greedy",
+            ", ".join(eager) or "-",
+            bool(eager) and all(s == "yes, yes" for s in eager),
+        )
+    )
+    rows.append(
+        (
+            "(not a target) the same tokens as the old loop; its largest log-prob difference",
+            "; ".join(f"{r['same tokens (sampled, greedy)']} ({r['max abs logp diff']})" for r in graph) or "-",
+            None,
+        )
+    )
     if "ppo.py" in ctx:
-        rows.append(("a PPO iteration at the 0.5B shape <= 0.6x of the old one's time", f"{ctx['ppo.py']:.2f}x",
-                     ctx["ppo.py"] <= 0.6))
+        rows.append(
+            (
+                "a PPO iteration at the 0.5B shape <= 0.6x of the old one's time",
+                f"{ctx['ppo.py']:.2f}x",
+                ctx["ppo.py"] <= 0.6,
+            )
+        )
     if "grpo.py" in ctx:
-        rows.append(("(not a target) the GSM8K recipe's shapes: seconds per iteration, new over old",
-                     f"{ctx['grpo.py']:.2f}x", None))
+        rows.append(
+            (
+                "(not a target) the GSM8K recipe's shapes: seconds per iteration, new over old",
+                f"{ctx['grpo.py']:.2f}x",
+                None,
+            )
+        )
     return rows
 
 
@@ -329,11 +555,16 @@ def write(ctx, results):
 
     device = torch.cuda.get_device_name() if ctx["device"] == "cuda" else f"CPU ({platform.machine()})"
     commit = call(["git", "rev-parse", "--short", "HEAD"], 10)[1].strip()
-    lines = [f"# gpu_check: {device}, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
-             f"torch {torch.__version__}, transformers {transformers.__version__}, commit {commit}, "
-             f"`python bench/gpu_check.py --device {ctx['device']}`" + ("" if ctx["device"] == "cuda" else
-                                                                      " (tiny shapes: a dry run, no number counts)"),
-             "", "| row | result | seconds | summary |", "|---|---|---:|---|"]
+    lines = [
+        f"# gpu_check: {device}, {datetime.datetime.now():%Y-%m-%d %H:%M}",
+        "",
+        f"torch {torch.__version__}, transformers {transformers.__version__}, commit {commit}, "
+        f"`python bench/gpu_check.py --device {ctx['device']}`"
+        + ("" if ctx["device"] == "cuda" else " (tiny shapes: a dry run, no number counts)"),
+        "",
+        "| row | result | seconds | summary |",
+        "|---|---|---:|---|",
+    ]
     for name, ok, seconds, summary, _ in results:
         verdict = "pass" if ok else "skipped" if ok is None else "FAIL"
         lines.append(f"| {name} | {verdict} | {seconds:.0f} | {summary} |")

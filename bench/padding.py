@@ -20,6 +20,7 @@ README's GSM8K recipe), so no model is needed. Three layouts are compared for th
   (the minibatch is drawn at random, so only its own rows can be sorted);
 packing (the real tokens of several rows in one row) computes exactly the real tokens: 1.00 by definition.
 """
+
 import argparse
 import importlib
 import os
@@ -42,12 +43,17 @@ def layouts(prompt_lens, response_lens, micro, minibatch=None, seed=0):
     today = B * (max(prompt_lens) + max(response_lens))
     shuffled = torch.randperm(B, generator=torch.Generator().manual_seed(seed)).tolist()
     by_length = sorted(range(B), key=lambda i: prompt_lens[i] + response_lens[i])
-    within = [i for mb in micro_batches(shuffled, minibatch or B)
-              for i in sorted(mb, key=lambda i: prompt_lens[i] + response_lens[i])]
+    within = [
+        i
+        for mb in micro_batches(shuffled, minibatch or B)
+        for i in sorted(mb, key=lambda i: prompt_lens[i] + response_lens[i])
+    ]
 
     def cut(order):
-        return sum(len(mb) * (max(prompt_lens[i] for i in mb) + max(response_lens[i] for i in mb))
-                   for mb in micro_batches(order, micro))
+        return sum(
+            len(mb) * (max(prompt_lens[i] for i in mb) + max(response_lens[i] for i in mb))
+            for mb in micro_batches(order, micro)
+        )
 
     return today, cut(shuffled), cut(by_length), cut(within)
 
@@ -61,10 +67,17 @@ def measured(prompt_lens, response_lens, micro, group=1, minibatch=None):
     real = sum(prompt_lens) + sum(response_lens)
     today, cut, sorted_cut, training = layouts(prompt_lens, response_lens, micro, minibatch)
     prefill = len(prompt_lens) * max(prompt_lens)  # every row, left-padded to the widest prompt
-    return dict(today=today / real, padding=1 - real / today, cut=cut / real, sorted_cut=sorted_cut / real,
-                training=training / real,
-                unread=1 - sum(response_lens) / today, unread_rm=1 - len(prompt_lens) / today,
-                prefill=prefill / (sum(prompt_lens) / group), prefill_now=prefill / sum(prompt_lens))
+    return dict(
+        today=today / real,
+        padding=1 - real / today,
+        cut=cut / real,
+        sorted_cut=sorted_cut / real,
+        training=training / real,
+        unread=1 - sum(response_lens) / today,
+        unread_rm=1 - len(prompt_lens) / today,
+        prefill=prefill / (sum(prompt_lens) / group),
+        prefill_now=prefill / sum(prompt_lens),
+    )
 
 
 @torch.no_grad()
@@ -78,6 +91,7 @@ def rollout_lengths(script, policy_path, rollouts):
     device = torch.device("cpu")
     tokenizer, prompts, _, _, stop_ids, _ = module.load_task(args, device)
     from transformers import AutoModelForCausalLM
+
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).eval()
     G = getattr(args, "num_generations", 1)
     state = dict(data_epoch=0, data_cursor=0)
@@ -88,8 +102,16 @@ def rollout_lengths(script, policy_path, rollouts):
         prompt_ids, prompt_mask = module.left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
         rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)
         uniforms = module.row_uniforms(rng, len(idx), args, 0)
-        _, _, response_mask = module.generate(policy, prompt_ids, prompt_mask, args.response_length, args.temperature,
-                                              stop_ids, tokenizer.pad_token_id, uniforms)
+        _, _, response_mask = module.generate(
+            policy,
+            prompt_ids,
+            prompt_mask,
+            args.response_length,
+            args.temperature,
+            stop_ids,
+            tokenizer.pad_token_id,
+            uniforms,
+        )
         prompt_lens.append(prompt_mask.sum(1).tolist())
         response_lens.append(response_mask.sum(1).tolist())
     return args, G, prompt_lens, response_lens
@@ -98,8 +120,11 @@ def rollout_lengths(script, policy_path, rollouts):
 def long_tailed(seed=0, prompts=64, group=5):
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(100, 301, (prompts,), generator=g).repeat_interleave(group).tolist()
-    response = torch.exp(torch.empty(prompts * group).uniform_(torch.log(torch.tensor(20.0)).item(),
-                                                                torch.log(torch.tensor(1024.0)).item(), generator=g))
+    response = torch.exp(
+        torch.empty(prompts * group).uniform_(
+            torch.log(torch.tensor(20.0)).item(), torch.log(torch.tensor(1024.0)).item(), generator=g
+        )
+    )
     return prompt, response.round().long().tolist()
 
 
@@ -113,26 +138,45 @@ def main():
     rows = []
     for script in a.scripts:
         args, G, prompt_lens, response_lens = rollout_lengths(script, a.policy, a.rollouts)
-        each = [measured(p, r, args.micro_batch_size, G, args.minibatch_size)
-                for p, r in zip(prompt_lens, response_lens)]
+        each = [
+            measured(p, r, args.micro_batch_size, G, args.minibatch_size) for p, r in zip(prompt_lens, response_lens)
+        ]
         lengths = [x for r in response_lens for x in r]
-        rows.append((f"`{script}` default{' (' + a.policy + ')' if a.policy else ''}, {a.rollouts} rollouts of "
-                     f"{len(response_lens[0])}", f"{sum(lengths) / len(lengths):.1f} ({max(lengths)})",
-                     {k: sum(m[k] for m in each) / len(each) for k in each[0]},
-                     script == "ppo.py", bool(args.reward_model_path)))
+        rows.append(
+            (
+                f"`{script}` default{' (' + a.policy + ')' if a.policy else ''}, {a.rollouts} rollouts of "
+                f"{len(response_lens[0])}",
+                f"{sum(lengths) / len(lengths):.1f} ({max(lengths)})",
+                {k: sum(m[k] for m in each) / len(each) for k in each[0]},
+                script == "ppo.py",
+                bool(args.reward_model_path),
+            )
+        )
     p, r = long_tailed()
-    rows.append(("GSM8K-like: prompts of 100 to 300 tokens, 64 x 5", f"{sum(r) / len(r):.0f} ({max(r)})",
-                 measured(p, r, 8, 5, 320), False, False))
-    lines = ["| setting | response length, mean (max) | training-shaped forwards: positions per real token, padded "
-             "(before the cut) | padding share, padded | cut per micro-batch | sorted, then cut (now: the no-grad "
-             "forwards) | now: training (each minibatch sorted, cut) | policy, reference, critic: outputs no loss "
-             "reads | reward model: outputs no loss reads | prefill: positions per distinct prompt token, before | "
-             "prefill, now (a group's prompt once) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows.append(
+        (
+            "GSM8K-like: prompts of 100 to 300 tokens, 64 x 5",
+            f"{sum(r) / len(r):.0f} ({max(r)})",
+            measured(p, r, 8, 5, 320),
+            False,
+            False,
+        )
+    )
+    lines = [
+        "| setting | response length, mean (max) | training-shaped forwards: positions per real token, padded "
+        "(before the cut) | padding share, padded | cut per micro-batch | sorted, then cut (now: the no-grad "
+        "forwards) | now: training (each minibatch sorted, cut) | policy, reference, critic: outputs no loss "
+        "reads | reward model: outputs no loss reads | prefill: positions per distinct prompt token, before | "
+        "prefill, now (a group's prompt once) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, length, m, critic, rm in rows:
         rm_cell = f"{m['unread_rm']:.0%}" if rm else "-"
-        lines.append(f"| {name} | {length} | {m['today']:.2f} | {m['padding']:.0%} | {m['cut']:.2f} | "
-                     f"{m['sorted_cut']:.2f} | {m['training']:.2f} | {m['unread']:.0%} | {rm_cell} | "
-                     f"{m['prefill']:.2f} | {m['prefill_now']:.2f} |")
+        lines.append(
+            f"| {name} | {length} | {m['today']:.2f} | {m['padding']:.0%} | {m['cut']:.2f} | "
+            f"{m['sorted_cut']:.2f} | {m['training']:.2f} | {m['unread']:.0%} | {rm_cell} | "
+            f"{m['prefill']:.2f} | {m['prefill_now']:.2f} |"
+        )
     print("\n".join(lines))
     if a.out:
         with open(a.out, "w") as f:

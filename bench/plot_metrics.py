@@ -24,8 +24,14 @@ TITLES = {
     "eval/score_greedy": "held-out score, greedy",
     "policy/clipfrac": "clip fraction",
 }
-DEFAULT_PANELS = ["objective/score", "objective/kl", "response/distinct2", "policy/entropy", "response/length",
-                  "response/eos_rate"]
+DEFAULT_PANELS = [
+    "objective/score",
+    "objective/kl",
+    "response/distinct2",
+    "policy/entropy",
+    "response/length",
+    "response/eos_rate",
+]
 
 
 def read(path):
@@ -38,9 +44,12 @@ def x_of(row, axis):
 
 
 def summary_table(runs, labels, keys):
-    lines = ["| run | iterations | minutes | " + " | ".join(f"{k} first → last" for k in keys)
-             + " | alarms fired (iterations) |",
-             "|---" * (len(keys) + 4) + "|"]
+    lines = [
+        "| run | iterations | minutes | "
+        + " | ".join(f"{k} first → last" for k in keys)
+        + " | alarms fired (iterations) |",
+        "|---" * (len(keys) + 4) + "|",
+    ]
     for rows, label in zip(runs, labels):
         cells = []
         for k in keys:
@@ -48,10 +57,14 @@ def summary_table(runs, labels, keys):
             tail = values[-1:] if k.startswith("eval/") else values[-5:]
             cells.append(f"{values[0]:.2f} → {sum(tail) / len(tail):.2f}" if values else "-")
         trained = [r for r in rows if r["iteration"] > 0]
-        minutes = (rows[-1]["time/elapsed"] / 60 if "time/elapsed" in rows[-1]
-                   else sum(r["time/iteration"] for r in trained) / 60)
-        alarms = {k.split("/", 1)[1]: int(sum(r.get(k, 0) for r in trained))
-                  for k in trained[-1] if k.startswith("alarm/")}
+        minutes = (
+            rows[-1]["time/elapsed"] / 60
+            if "time/elapsed" in rows[-1]
+            else sum(r["time/iteration"] for r in trained) / 60
+        )
+        alarms = {
+            k.split("/", 1)[1]: int(sum(r.get(k, 0) for r in trained)) for k in trained[-1] if k.startswith("alarm/")
+        }
         fired = ", ".join(f"{k} ({n})" for k, n in alarms.items() if n) or "none"
         lines.append(f"| {label} | {len(trained)} | {minutes:.1f} | " + " | ".join(cells) + f" | {fired} |")
     return "\n".join(lines)
@@ -62,8 +75,12 @@ def main():
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl files")
     parser.add_argument("--labels", nargs="+", help="one label per file (default: the paths)")
     parser.add_argument("--panels", nargs="+", default=DEFAULT_PANELS, help="metric keys, one panel each (six fit)")
-    parser.add_argument("--x", choices=["episodes", "minutes"], default="episodes",
-                        help="the horizontal axis: episodes, or wall-clock minutes")
+    parser.add_argument(
+        "--x",
+        choices=["episodes", "minutes"],
+        default="episodes",
+        help="the horizontal axis: episodes, or wall-clock minutes",
+    )
     parser.add_argument("--out", default="curves.png", help="where the PNG goes")
     args = parser.parse_args()
     labels = args.labels or args.metrics
@@ -77,8 +94,12 @@ def main():
     import matplotlib.pyplot as plt
 
     cols = min(3, len(args.panels))
-    fig, axes = plt.subplots((len(args.panels) + cols - 1) // cols, cols,
-                             figsize=(4.4 * cols, 3.3 * ((len(args.panels) + cols - 1) // cols)), squeeze=False)
+    fig, axes = plt.subplots(
+        (len(args.panels) + cols - 1) // cols,
+        cols,
+        figsize=(4.4 * cols, 3.3 * ((len(args.panels) + cols - 1) // cols)),
+        squeeze=False,
+    )
     for ax, key in zip(axes.flat, args.panels):
         for rows, label in zip(runs, labels):
             points = [(x_of(r, args.x), r[key]) for r in rows if key in r]

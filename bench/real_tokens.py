@@ -37,6 +37,7 @@ each group's prompt encoded once, its keys and values repeated, alternating. Tim
 at the GSM8K-like shape (8 prompts x 5, responses up to the longest drawn or --new-tokens; the random Llama never
 stops early), with --decode's loop.
 """
+
 import argparse
 import contextlib
 import json
@@ -72,8 +73,9 @@ def rows_of(prompt_lens, response_lens, vocab, seed=0, device="cpu"):
 
 def full_head_logprobs(policy, input_ids, attention_mask, P):
     """The log-prob forward before this change: the LM head over every position, the prompt's sliced off after."""
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=ppo.position_ids_from(attention_mask)).logits[:, P - 1 : -1]
+    logits = policy(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+    ).logits[:, P - 1 : -1]
     return ppo.token_logprobs(logits, input_ids[:, P:]) * attention_mask[:, P:]
 
 
@@ -84,8 +86,12 @@ def packed_logprobs(policy, input_ids, attention_mask, P):
     at = (real.flatten().cumsum(0) - 1).view(real.shape)  # each real token's index in the packed row
     valid = real[:, P:]  # (B, T)
     keep = at[:, P - 1 : -1][valid]  # the packed positions whose logits predict a response token
-    logits = policy(input_ids=input_ids[real][None], position_ids=ppo.position_ids_from(attention_mask)[real][None],
-                    logits_to_keep=keep, use_cache=False).logits[0]  # (response tokens, V); no cache: packed
+    logits = policy(
+        input_ids=input_ids[real][None],
+        position_ids=ppo.position_ids_from(attention_mask)[real][None],
+        logits_to_keep=keep,
+        use_cache=False,
+    ).logits[0]  # (response tokens, V); no cache: packed
     out = torch.zeros(valid.shape, device=input_ids.device)
     out[valid] = ppo.token_logprobs(logits, input_ids[:, P:][valid])
     return out
@@ -94,8 +100,13 @@ def packed_logprobs(policy, input_ids, attention_mask, P):
 def fused_head_logprobs(policy, input_ids, attention_mask, P):
     """The trunk's output at the positions that predict a response token, through the fused head and log-softmax."""
     from rlhf_kernels import linear_token_logprobs
-    hidden = policy.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=ppo.position_ids_from(attention_mask), use_cache=False).last_hidden_state
+
+    hidden = policy.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=ppo.position_ids_from(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
     valid = attention_mask[:, P:].bool()
     return linear_token_logprobs(hidden[:, P - 1 : -1], policy.lm_head.weight, input_ids[:, P:], mask=valid)
 
@@ -135,19 +146,40 @@ def check_layouts_agree(policy, input_ids, attention_mask, P, tolerance):
 
 def layouts_part(a):
     from transformers import AutoModelForCausalLM
+
     settings = []
     for script in [f"{x}.py" for x in ("ppo", "grpo", "rloo") if x in a.settings]:
         args, G, prompt_lens, response_lens = rollout_lengths(script, None, 1)
         policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
-        settings.append((f"`{script}` default, a rollout of {len(prompt_lens[0])}", policy, prompt_lens[0],
-                         response_lens[0], args.minibatch_size, args.micro_batch_size))
+        settings.append(
+            (
+                f"`{script}` default, a rollout of {len(prompt_lens[0])}",
+                policy,
+                prompt_lens[0],
+                response_lens[0],
+                args.minibatch_size,
+                args.micro_batch_size,
+            )
+        )
     if "gsm8k" in a.settings:
         p, r = ([max(1, round(x * a.length_scale)) for x in lens] for lens in long_tailed())
         policy, name = gsm8k_policy(a)
-        settings.append((f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})", policy, p[: a.gsm8k_rows],
-                         r[: a.gsm8k_rows], a.gsm8k_rows, 8))
-    lines = ["| setting | " + " | ".join(f"{x}: positions per real token, seconds" for x in LAYOUTS) +
-             " | sorted and cut / padded, full head | packed / padded, full head |", "|---|" + "---|" * 7]
+        settings.append(
+            (
+                f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})",
+                policy,
+                p[: a.gsm8k_rows],
+                r[: a.gsm8k_rows],
+                a.gsm8k_rows,
+                8,
+            )
+        )
+    lines = [
+        "| setting | "
+        + " | ".join(f"{x}: positions per real token, seconds" for x in LAYOUTS)
+        + " | sorted and cut / padded, full head | packed / padded, full head |",
+        "|---|" + "---|" * 7,
+    ]
     for name, policy, prompt_lens, response_lens, minibatch, micro in settings:
         policy = policy.to(a.device, getattr(torch, a.dtype)).train(False)
         input_ids, attention_mask, P = rows_of(prompt_lens, response_lens, policy.config.vocab_size, device=a.device)
@@ -178,20 +210,37 @@ def every_row_alone(rows, dim, return_inverse):
 
 def prefill_part(a):
     from transformers import AutoModelForCausalLM
+
     settings = []
     for script in [f"{x}.py" for x in ("grpo", "rloo") if x in a.settings]:
         args, G, prompt_lens, _ = rollout_lengths(script, None, 1)
         policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
-        settings.append((f"`{script}` default, {len(prompt_lens[0]) // G} prompts x {G}", policy, prompt_lens[0],
-                         args.response_length, G))
+        settings.append(
+            (
+                f"`{script}` default, {len(prompt_lens[0]) // G} prompts x {G}",
+                policy,
+                prompt_lens[0],
+                args.response_length,
+                G,
+            )
+        )
     if "gsm8k" in a.settings:
         p, r = ([max(1, round(x * a.length_scale)) for x in lens] for lens in long_tailed())
         policy, name = gsm8k_policy(a)
-        settings.append((f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})", policy, p[: a.gsm8k_rows],
-                         a.new_tokens or max(r[: a.gsm8k_rows]), 5))
-    lines = ["| setting | prompt positions prefilled, every row / once per group | prefill, every row | prefill, once "
-             "| once / every row | generate, every row | generate, once | once / every row | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+        settings.append(
+            (
+                f"GSM8K-like, {a.gsm8k_rows // 5} prompts x 5 ({name})",
+                policy,
+                p[: a.gsm8k_rows],
+                a.new_tokens or max(r[: a.gsm8k_rows]),
+                5,
+            )
+        )
+    lines = [
+        "| setting | prompt positions prefilled, every row / once per group | prefill, every row | prefill, once "
+        "| once / every row | generate, every row | generate, once | once / every row | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, policy, prompt_lens, T, G in settings:
         policy = policy.to(a.device, getattr(torch, a.dtype)).train(False)
         g = torch.Generator().manual_seed(0)
@@ -201,8 +250,11 @@ def prefill_part(a):
         uniforms, stop = torch.rand(len(ids), T, generator=g).to(a.device), torch.tensor([0], device=a.device)
 
         def sample(side, steps):
-            with mock.patch.object(torch, "unique_consecutive", every_row_alone) if side == "every row" else \
-                    contextlib.nullcontext():
+            with (
+                mock.patch.object(torch, "unique_consecutive", every_row_alone)
+                if side == "every row"
+                else contextlib.nullcontext()
+            ):
                 return ppo.generate(policy, ids, mask, steps, 1.0, stop, pad, uniforms[:, :steps], a.decode)
 
         times = {(side, steps): [] for side in ("every row", "once") for steps in (1, T)}
@@ -216,10 +268,12 @@ def prefill_part(a):
                 synchronize(a.device)
                 times[side, steps].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
-        line = (f"| {name} | {int(mask.sum())} / {int(mask[::G].sum())} | {med['every row', 1]:.3f} s | "
-                f"{med['once', 1]:.3f} s | {med['once', 1] / med['every row', 1]:.2f}x | {med['every row', T]:.3f} s | "
-                f"{med['once', T]:.3f} s | **{med['once', T] / med['every row', T]:.2f}x** | "
-                f"{'yes' if same else 'no'} |")
+        line = (
+            f"| {name} | {int(mask.sum())} / {int(mask[::G].sum())} | {med['every row', 1]:.3f} s | "
+            f"{med['once', 1]:.3f} s | {med['once', 1] / med['every row', 1]:.2f}x | {med['every row', T]:.3f} s | "
+            f"{med['once', T]:.3f} s | **{med['once', T] / med['every row', T]:.2f}x** | "
+            f"{'yes' if same else 'no'} |"
+        )
         print(line, flush=True)
         lines.append(line)
     return lines
@@ -228,9 +282,18 @@ def prefill_part(a):
 def gsm8k_policy(a):
     """The GSM8K-like setting's model: --policy, or a random Llama of 4.2M parameters with a 32k vocabulary."""
     from transformers import AutoModelForCausalLM, LlamaConfig
+
     torch.manual_seed(0)
-    small = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1536, pad_token_id=1)
+    small = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1536,
+        pad_token_id=1,
+    )
     if a.policy:
         return AutoModelForCausalLM.from_pretrained(a.policy), a.policy
     return AutoModelForCausalLM.from_config(small), "random Llama, 4.2M parameters, 32k vocabulary"
@@ -244,8 +307,22 @@ def synchronize(device):
 def run_script(tree, script, episodes, out, threads):
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONPATH=tree)
     shutil.rmtree(out, ignore_errors=True)
-    subprocess.run([sys.executable, os.path.join(tree, script), "--total_episodes", str(episodes), "--eval_every", "0",
-                    "--output_dir", out], env=env, check=True, capture_output=True, cwd=tree)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(tree, script),
+            "--total_episodes",
+            str(episodes),
+            "--eval_every",
+            "0",
+            "--output_dir",
+            out,
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        cwd=tree,
+    )
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f][1:]  # the first iteration warms up
     return {k: [r[f"time/{k}"] for r in rows] for k in ("iteration", "generate", "score", "optimize")}
@@ -256,22 +333,31 @@ def scripts_part(before, repeats, iterations, threads):
     work = tempfile.mkdtemp()
     old = os.path.join(work, "before")
     subprocess.run(["git", "worktree", "add", "--detach", old, before], cwd=ROOT, check=True, capture_output=True)
-    lines = ["| default | iteration, before | iteration, now | now / before | generate | score | optimise |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| default | iteration, before | iteration, now | now / before | generate | score | optimise |",
+        "|---|---|---|---|---|---|---|",
+    ]
     try:
         for script, per_iteration in episodes.items():
             times = {"before": {}, "now": {}}
             for repeat in range(repeats):
                 for side in ("before", "now") if repeat % 2 == 0 else ("now", "before"):
-                    got = run_script(old if side == "before" else ROOT, script, per_iteration * (iterations + 1),
-                                     os.path.join(work, "runs", side), threads)
+                    got = run_script(
+                        old if side == "before" else ROOT,
+                        script,
+                        per_iteration * (iterations + 1),
+                        os.path.join(work, "runs", side),
+                        threads,
+                    )
                     for k, v in got.items():
                         times[side].setdefault(k, []).extend(v)
             med = {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()}
             ratio = {k: med["now"][k] / med["before"][k] for k in med["now"]}
-            line = (f"| `{script}` | {med['before']['iteration']:.3f} s | {med['now']['iteration']:.3f} s | "
-                    f"**{ratio['iteration']:.2f}x** | {ratio['generate']:.2f}x | {ratio['score']:.2f}x | "
-                    f"{ratio['optimize']:.2f}x |")
+            line = (
+                f"| `{script}` | {med['before']['iteration']:.3f} s | {med['now']['iteration']:.3f} s | "
+                f"**{ratio['iteration']:.2f}x** | {ratio['generate']:.2f}x | {ratio['score']:.2f}x | "
+                f"{ratio['optimize']:.2f}x |"
+            )
             print(line, flush=True)
             lines.append(line)
     finally:
@@ -298,8 +384,13 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     a = parser.parse_args(argv)
     torch.set_num_threads(a.threads)
-    text = [__doc__.split("\n\n")[0], "", f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {a.threads} "
-            f"thread(s), {a.repeats} repeats, {a.device}, `python bench/real_tokens.py {' '.join(sys.argv[1:])}`.", ""]
+    text = [
+        __doc__.split("\n\n")[0],
+        "",
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {a.threads} "
+        f"thread(s), {a.repeats} repeats, {a.device}, `python bench/real_tokens.py {' '.join(sys.argv[1:])}`.",
+        "",
+    ]
     if a.part in ("layouts", "all"):
         text += ["Part 1: the policy's training forward and backward over one epoch, per layout.", ""]
         text += layouts_part(a) + [""]

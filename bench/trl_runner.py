@@ -9,6 +9,7 @@ hook on the torch optimiser, so steps that accumulation skipped are not counted)
 
     python bench/trl_runner.py grpo --output_dir runs/bench_trl/x ...    # normally run by bench/bench_trl.py
 """
+
 import argparse
 import json
 import os
@@ -40,10 +41,14 @@ def arguments(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--model_dtype", default="float32")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--ppo_steps", choices=["per_minibatch", "as_released"], default="per_minibatch",
-                   help="PPO only: one optimiser step per minibatch as ppo.py takes (set on the trainer's Accelerator "
-                        "after construction), or TRL 1.12 as configured, whose accumulation counter steps once every "
-                        "num_mini_batches minibatches")
+    p.add_argument(
+        "--ppo_steps",
+        choices=["per_minibatch", "as_released"],
+        default="per_minibatch",
+        help="PPO only: one optimiser step per minibatch as ppo.py takes (set on the trainer's Accelerator "
+        "after construction), or TRL 1.12 as configured, whose accumulation counter steps once every "
+        "num_mini_batches minibatches",
+    )
     a = p.parse_args(argv)
     a.reward_fn = tuple(a.reward_fn)  # as our scripts hold it
     return a
@@ -62,12 +67,19 @@ def trl_config(a):
     """The TRL config (keyword arguments of PPOConfig / GRPOConfig / RLOOConfig) that matches our flags.
     TRL's defaults that differ from our scripts are overridden here; bench/trl.md lists what cannot be."""
     common = dict(
-        output_dir=a.output_dir, seed=a.seed, learning_rate=a.learning_rate,
-        lr_scheduler_type="constant",        # TRL: linear decay to 0; ours: constant
-        adam_epsilon=1e-5, weight_decay=0.01,  # ours: torch.optim.AdamW(eps=1e-5), whose weight decay is 0.01
-        bf16=False, fp16=False,              # TRL defaults to bf16; the comparison is fp32
-        gradient_checkpointing=False,        # TRL defaults to on; our scripts do not checkpoint
-        save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=a.output_dir,
+        seed=a.seed,
+        learning_rate=a.learning_rate,
+        lr_scheduler_type="constant",  # TRL: linear decay to 0; ours: constant
+        adam_epsilon=1e-5,
+        weight_decay=0.01,  # ours: torch.optim.AdamW(eps=1e-5), whose weight decay is 0.01
+        bf16=False,
+        fp16=False,  # TRL defaults to bf16; the comparison is fp32
+        gradient_checkpointing=False,  # TRL defaults to on; our scripts do not checkpoint
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         temperature=a.temperature,
     )
     n = responses_per_iteration(a)
@@ -78,26 +90,46 @@ def trl_config(a):
             # so that the rollout is per_device x accumulation = n prompts
             gradient_accumulation_steps=n // a.micro_batch_size,
             num_mini_batches=n // a.minibatch_size,
-            num_ppo_epochs=a.num_epochs, total_episodes=a.total_episodes, local_rollout_forward_batch_size=n,
-            response_length=a.response_length, stop_token="eos", missing_eos_penalty=a.missing_eos_penalty,
-            kl_coef=a.kl_coef, kl_estimator="k1",
-            cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95, whiten_rewards=False,
+            num_ppo_epochs=a.num_epochs,
+            total_episodes=a.total_episodes,
+            local_rollout_forward_batch_size=n,
+            response_length=a.response_length,
+            stop_token="eos",
+            missing_eos_penalty=a.missing_eos_penalty,
+            kl_coef=a.kl_coef,
+            kl_estimator="k1",
+            cliprange=0.2,
+            cliprange_value=0.2,
+            gamma=1.0,
+            lam=0.95,
+            whiten_rewards=False,
             vf_coef=0.2,  # TRL's value loss is 0.5 (V - R)^2, ours (V - R)^2 with vf_coef 0.1
-            num_sample_generations=0, logging_steps=1,
+            num_sample_generations=0,
+            logging_steps=1,
         )
     steps = steps_per_iteration(a)
     return dict(
         common,
         per_device_train_batch_size=a.micro_batch_size,
         gradient_accumulation_steps=a.minibatch_size // a.micro_batch_size,
-        steps_per_generation=n // a.micro_batch_size, num_iterations=a.num_epochs,
-        num_generations=a.num_generations, max_completion_length=a.response_length, top_k=0, top_p=1.0,
-        beta=a.kl_coef, epsilon=0.2, max_grad_norm=1.0, disable_dropout=True,
-        max_steps=a.total_episodes // n * steps, logging_steps=steps,
+        steps_per_generation=n // a.micro_batch_size,
+        num_iterations=a.num_epochs,
+        num_generations=a.num_generations,
+        max_completion_length=a.response_length,
+        top_k=0,
+        top_p=1.0,
+        beta=a.kl_coef,
+        epsilon=0.2,
+        max_grad_norm=1.0,
+        disable_dropout=True,
+        max_steps=a.total_episodes // n * steps,
+        logging_steps=steps,
         model_init_kwargs={"dtype": a.model_dtype, "use_kernels": False},
-        shuffle_dataset=True, log_completions=False,
-        **(dict(scale_rewards="group", loss_type="dapo") if a.algorithm == "grpo"
-           else dict(normalize_advantages=False)),
+        shuffle_dataset=True,
+        log_completions=False,
+        **(
+            dict(scale_rewards="group", loss_type="dapo") if a.algorithm == "grpo" else dict(normalize_advantages=False)
+        ),
     )
 
 
@@ -124,8 +156,12 @@ def main():
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % per_iteration == 0:
                 now, self.iteration = time.perf_counter(), self.iteration + 1
-                log.write(json.dumps({"iteration": self.iteration, "time/iteration": now - self.last,
-                                      "optimizer_steps": self.steps}) + "\n")
+                log.write(
+                    json.dumps(
+                        {"iteration": self.iteration, "time/iteration": now - self.last, "optimizer_steps": self.steps}
+                    )
+                    + "\n"
+                )
                 log.flush()
                 self.last, self.steps = now, 0
 
@@ -150,31 +186,47 @@ def main():
         value.config.pad_token_id = tokenizer.pad_token_id
         ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
         train = Dataset.from_dict({"input_ids": ids})
-        trainer = PPOTrainer(args=PPOConfig(**config), processing_class=tokenizer, model=causal(), ref_model=causal(),
-                             reward_model=reward_models[0], value_model=value, train_dataset=train,
-                             eval_dataset=train.select(range(8)), callbacks=[IterationTimer()])
+        trainer = PPOTrainer(
+            args=PPOConfig(**config),
+            processing_class=tokenizer,
+            model=causal(),
+            ref_model=causal(),
+            reward_model=reward_models[0],
+            value_model=value,
+            train_dataset=train,
+            eval_dataset=train.select(range(8)),
+            callbacks=[IterationTimer()],
+        )
         if a.ppo_steps == "per_minibatch":
             trainer.accelerator.gradient_accumulation_steps = 1
     else:
         if a.algorithm == "grpo":
-            from trl import GRPOConfig as Config, GRPOTrainer as Trainer
+            from trl import GRPOConfig as Config
+            from trl import GRPOTrainer as Trainer
         else:
-            from trl import RLOOConfig as Config, RLOOTrainer as Trainer
+            from trl import RLOOConfig as Config
+            from trl import RLOOTrainer as Trainer
         sys.path.insert(0, ROOT)
         from grpo import REWARD_FNS  # the very rule our scripts use
 
         funcs = list(reward_models)
         for name in a.reward_fn:
+
             def rule_reward(completions, answer, rule=REWARD_FNS[name], **kwargs):
                 return rule(completions, answer)
 
             rule_reward.__name__ = name
             funcs.append(rule_reward)
         train = Dataset.from_list([{k: r[k] for k in ("prompt", "answer") if k in r} for r in rows])
-        trainer = Trainer(model=a.model_name_or_path, reward_funcs=funcs, args=Config(**config), train_dataset=train,
-                          processing_class=tokenizer,
-                          reward_processing_classes=[tokenizer] * len(funcs) if reward_models else None,
-                          callbacks=[IterationTimer()])
+        trainer = Trainer(
+            model=a.model_name_or_path,
+            reward_funcs=funcs,
+            args=Config(**config),
+            train_dataset=train,
+            processing_class=tokenizer,
+            reward_processing_classes=[tokenizer] * len(funcs) if reward_models else None,
+            callbacks=[IterationTimer()],
+        )
     trainer.train()
     log.close()
 

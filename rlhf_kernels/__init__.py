@@ -11,6 +11,7 @@ Public surface::
 Only torch is required; Triton is imported lazily and only used for CUDA tensors
 (or when ``backend="triton"`` is forced, e.g. under ``TRITON_INTERPRET=1`` on CPU).
 """
+
 from .linear_logprobs import linear_token_logprobs
 from .logprobs import token_logprobs
 

@@ -1,4 +1,5 @@
 """Shape helpers shared by the torch and Triton paths (no Triton import here)."""
+
 import torch
 
 
@@ -42,8 +43,10 @@ def check_token_range(tokens: torch.Tensor, mask, V: int) -> None:
     """
     if tokens.numel() == 0:
         return
-    ids = tokens if mask is None else torch.where(
-        mask != 0, tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device)
+    ids = (
+        tokens
+        if mask is None
+        else torch.where(mask != 0, tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
     )
     lo, hi = torch.aminmax(ids)
     lo, hi = torch.stack([lo, hi]).tolist()  # one device -> host sync on CUDA (see above)

@@ -19,6 +19,7 @@ to ~1e-7 relative over 152k columns (a BLAS dot product for t did not: 2e-4 nats
 The target column is computed separately as g_logp * (-expm1(logp_y)) - g_H p_y (logp_y + H) so
 that 1 - p_y keeps its precision when p_y is close to 1.
 """
+
 import torch
 
 from ._common import prepare_tokens_mask, rows_view, run_backward, save_and_return
@@ -117,9 +118,18 @@ def _fill_grad(x3, grad3, saved, cfg, g_lp, g_h):
         n = s1 - s0
         out = grad3[b, s0:s1]
         _backward_chunk(
-            x3[b, s0:s1], tok[b, s0:s1], lse[b, s0:s1], None if ent is None else ent[b, s0:s1],
-            logp[b, s0:s1], g_lp[b, s0:s1], None if g_h is None else g_h[b, s0:s1],
-            scale, inv_t, A[:n], B_[:n], out,
+            x3[b, s0:s1],
+            tok[b, s0:s1],
+            lse[b, s0:s1],
+            None if ent is None else ent[b, s0:s1],
+            logp[b, s0:s1],
+            g_lp[b, s0:s1],
+            None if g_h is None else g_h[b, s0:s1],
+            scale,
+            inv_t,
+            A[:n],
+            B_[:n],
+            out,
         )
         if msk is not None:
             mc = msk[b, s0:s1]

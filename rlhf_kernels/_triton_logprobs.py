@@ -43,6 +43,7 @@ Rows: program id r -> (b, s) = (r // S, r % S); element (b, s, i) lives at
 b * stride_b + s * stride_s + i, computed in int64 (16k x 152k > 2^31). V is a runtime
 argument; BLOCK is the only compile-time size. Masked rows skip the loads and write zeros.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -52,9 +53,20 @@ from ._common import prepare_tokens_mask, rows_view, run_backward, save_and_retu
 
 @triton.jit
 def _fwd_kernel(
-    x_ptr, y_ptr, mask_ptr, logp_ptr, ent_ptr, lse_ptr,
-    S, stride_b, stride_s, V, inv_t,
-    HAS_MASK: tl.constexpr, WANT_ENT: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    mask_ptr,
+    logp_ptr,
+    ent_ptr,
+    lse_ptr,
+    S,
+    stride_b,
+    stride_s,
+    V,
+    inv_t,
+    HAS_MASK: tl.constexpr,
+    WANT_ENT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -97,9 +109,26 @@ def _fwd_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    x_ptr, gx_ptr, y_ptr, mask_ptr, lse_ptr, ent_ptr, logp_ptr, glp_ptr, gh_ptr,
-    S, sx_b, sx_s, sg_b, sg_s, V, inv_t,
-    HAS_MASK: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    gx_ptr,
+    y_ptr,
+    mask_ptr,
+    lse_ptr,
+    ent_ptr,
+    logp_ptr,
+    glp_ptr,
+    gh_ptr,
+    S,
+    sx_b,
+    sx_s,
+    sg_b,
+    sg_s,
+    V,
+    inv_t,
+    HAS_MASK: tl.constexpr,
+    HAS_GLP: tl.constexpr,
+    HAS_GH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -162,11 +191,27 @@ def _fill_grad(x3, grad3, saved, cfg, g_lp, g_h):
     BLOCK, warps = _block_and_warps(V, block)
     if N > 0:
         _bwd_kernel[(N,)](
-            x3, grad3, tok, msk_i if msk_i is not None else tok, lse, ent if ent is not None else lse, logp,
-            g_lp if g_lp is not None else lse, g_h if g_h is not None else lse,
-            Sn, x3.stride(0), x3.stride(1), grad3.stride(0), grad3.stride(1), V, inv_t,
-            HAS_MASK=msk_i is not None, HAS_GLP=g_lp is not None, HAS_GH=g_h is not None,
-            BLOCK=BLOCK, num_warps=warps,
+            x3,
+            grad3,
+            tok,
+            msk_i if msk_i is not None else tok,
+            lse,
+            ent if ent is not None else lse,
+            logp,
+            g_lp if g_lp is not None else lse,
+            g_h if g_h is not None else lse,
+            Sn,
+            x3.stride(0),
+            x3.stride(1),
+            grad3.stride(0),
+            grad3.stride(1),
+            V,
+            inv_t,
+            HAS_MASK=msk_i is not None,
+            HAS_GLP=g_lp is not None,
+            HAS_GH=g_h is not None,
+            BLOCK=BLOCK,
+            num_warps=warps,
         )
     if inplace:
         torch.autograd.graph.increment_version(x3)  # the kernel wrote behind autograd's back
@@ -189,9 +234,21 @@ class TritonTokenLogprobs(torch.autograd.Function):
         BLOCK, warps = _block_and_warps(V, block)
         if N > 0:
             _fwd_kernel[(N,)](
-                x3, tok, msk_i if msk_i is not None else tok, logp, ent if ent is not None else logp, lse,
-                Sn, x3.stride(0), x3.stride(1), V, inv_t,
-                HAS_MASK=msk_i is not None, WANT_ENT=want_entropy, BLOCK=BLOCK, num_warps=warps,
+                x3,
+                tok,
+                msk_i if msk_i is not None else tok,
+                logp,
+                ent if ent is not None else logp,
+                lse,
+                Sn,
+                x3.stride(0),
+                x3.stride(1),
+                V,
+                inv_t,
+                HAS_MASK=msk_i is not None,
+                WANT_ENT=want_entropy,
+                BLOCK=BLOCK,
+                num_warps=warps,
             )
         return save_and_return(ctx, logits, tok, msk_i, lse, ent, logp, (inv_t, want_entropy, inplace_backward, block))
 

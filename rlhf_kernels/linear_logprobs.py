@@ -5,6 +5,7 @@ dtype, as the unfused lm_head would), then the same per-chunk forward / backward
 ``rlhf_kernels._torch_logprobs``. The backward recomputes each logits chunk, turns it into dL/dlogits
 (in the logits dtype) and accumulates dL/dhidden = g @ W and dL/dW += g.T @ h (fp32 accumulator).
 """
+
 import torch
 
 from . import _torch_logprobs as _tl
@@ -89,8 +90,18 @@ class LinearTokenLogprobs(torch.autograd.Function):
             hc = h2[s0:s1]
             xc = hc @ weight.t()
             _tl._backward_chunk(
-                xc, tok[s0:s1], lse[s0:s1], None if ent is None else ent[s0:s1], logp[s0:s1],
-                g_lp[s0:s1], None if g_h is None else g_h[s0:s1], scale, inv_t, A[:n], B_[:n], xc,
+                xc,
+                tok[s0:s1],
+                lse[s0:s1],
+                None if ent is None else ent[s0:s1],
+                logp[s0:s1],
+                g_lp[s0:s1],
+                None if g_h is None else g_h[s0:s1],
+                scale,
+                inv_t,
+                A[:n],
+                B_[:n],
+                xc,
             )  # xc now holds dL/dlogits for the chunk
             if msk is not None:
                 xc.masked_fill_(~msk[s0:s1, None], 0)

@@ -1,4 +1,5 @@
 """Dispatcher for :func:`token_logprobs` (torch path everywhere, Triton path on CUDA)."""
+
 import os
 
 import torch

@@ -1,4 +1,5 @@
 """Shared test set-up: offline, repository root importable, Triton on its CPU interpreter."""
+
 import os
 import sys
 

@@ -1,5 +1,6 @@
 """Running an algorithm file the way a user does: a subprocess, offline, with transformers' own hub-kernel default;
 and the check that generate's static decode loop samples what its dynamic loop samples."""
+
 import json
 import os
 import re
@@ -46,6 +47,7 @@ def readme_files(folder):
             f.write(code)
     return written
 
+
 def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_size):
     """generate with --decode static (StaticDecoder's buffers of fixed shape) gives the dynamic loop's tokens and
     response masks, and its log-probs within 1e-6, on left-padded prompts of different lengths, sampled at T = 0.7
@@ -62,10 +64,10 @@ def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_s
         uniforms[0, 3] = uniforms[2, 0] = uniforms[3, 6] = 0.0
         for temperature in (0.7, 1.0):
             for draws in (uniforms, None):
-                expected = ppo.generate(policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id,
-                                        draws)
-                got = ppo.generate(policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id, draws,
-                                   "static")
+                expected = ppo.generate(policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id, draws)
+                got = ppo.generate(
+                    policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id, draws, "static"
+                )
                 assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
                 torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=0)
                 if draws is not None:  # rows stop at different steps
@@ -94,8 +96,17 @@ def assert_group_prompts_prefilled_once(policy, pad_token_id, stop_ids, vocab_si
     assert len(set(together[2].sum(1).tolist())) > 2  # rows stop at different steps
     for b in range(8):
         width = int(prompt_mask[b].sum())
-        alone = ppo.generate(policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], 10, 0.7,
-                             stop_ids, pad_token_id, uniforms[b : b + 1], decode)
+        alone = ppo.generate(
+            policy,
+            prompt_ids[b : b + 1, -width:],
+            prompt_mask[b : b + 1, -width:],
+            10,
+            0.7,
+            stop_ids,
+            pad_token_id,
+            uniforms[b : b + 1],
+            decode,
+        )
         n = alone[0].shape[1]
         assert torch.equal(alone[0][0], together[0][b, :n]) and (together[2][b, n:] == 0).all()
         torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=atol, rtol=0)

@@ -3,6 +3,7 @@
 The behavioural checks recompute everything from the shipped files with their own fixed seeds; they do
 not read report.json. The bands are the builder's targets widened by a stated margin for sampling noise.
 """
+
 import json
 import os
 import random
@@ -76,10 +77,12 @@ def test_shipped_assets_load_offline(no_network):
 def test_prompt_sets_load_with_datasets():
     from datasets import load_dataset
 
-    reviews = load_dataset("json",
-                           data_files={s: os.path.join(ASSETS, f"reviews/{s}.jsonl") for s in ("train", "test")})
-    arith = load_dataset("json",
-                         data_files={s: os.path.join(ASSETS, f"arithmetic/{s}.jsonl") for s in ("train", "test")})
+    reviews = load_dataset(
+        "json", data_files={s: os.path.join(ASSETS, f"reviews/{s}.jsonl") for s in ("train", "test")}
+    )
+    arith = load_dataset(
+        "json", data_files={s: os.path.join(ASSETS, f"arithmetic/{s}.jsonl") for s in ("train", "test")}
+    )
     assert len(reviews["train"]) >= 1000 and len(reviews["test"]) >= 100
     assert len(arith["train"]) >= 1000 and len(arith["test"]) >= 100
     assert isinstance(arith["test"][0]["answer"], str)
@@ -120,8 +123,14 @@ def generate(tok, model, prompts, max_new_tokens, seed):
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(
-            **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
         )
     new = out[:, enc["input_ids"].shape[1] :]
     return [tok.decode(r, skip_special_tokens=True) for r in new], [(r == tok.eos_token_id).any().item() for r in new]
@@ -171,8 +180,10 @@ def test_rm_ranks_fresh_pairs_and_tracks_sentiment(assets):
 
 def padded_batch(tok, texts, left, right):
     """[pad]*left + tokens + [pad]*right for each text, with mask and position_ids = cumsum(mask) - 1."""
-    seqs = [[tok.pad_token_id] * l + tok(t, add_special_tokens=False)["input_ids"] + [tok.pad_token_id] * r
-            for t, l, r in zip(texts, left, right)]
+    seqs = [
+        [tok.pad_token_id] * l + tok(t, add_special_tokens=False)["input_ids"] + [tok.pad_token_id] * r
+        for t, l, r in zip(texts, left, right)
+    ]
     width = max(map(len, seqs))
     rows = [s + [tok.pad_token_id] * (width - len(s)) for s in seqs]
     ids = torch.tensor(rows)
@@ -202,8 +213,16 @@ def test_sft_logits_are_padding_invariant(assets):
 
 
 def test_corpora_are_deterministic_in_the_seed():
-    small = dict(n_sft_reviews=200, n_sft_arith=200, n_arith_test=50, n_arith_train=100, n_review_train=50,
-                 n_review_test=20, n_rm_train_pairs=50, n_rm_test_pairs=20)
+    small = dict(
+        n_sft_reviews=200,
+        n_sft_arith=200,
+        n_arith_test=50,
+        n_arith_train=100,
+        n_review_train=50,
+        n_review_test=20,
+        n_rm_train_pairs=50,
+        n_rm_test_pairs=20,
+    )
     a, b = make_corpora(Config(seed=3, **small)), make_corpora(Config(seed=3, **small))
     c = make_corpora(Config(seed=4, **small))
     assert a == b
@@ -218,13 +237,26 @@ def test_tiny_build_runs_end_to_end(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, os.path.join(ASSETS, "build.py"), "--tiny", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("tiny-sft/model.safetensors", "tiny-sft/config.json", "tiny-sft/tokenizer.json",
-                 "tiny-sft/generation_config.json", "tiny-rm/model.safetensors", "tiny-rm/tokenizer.json",
-                 "reviews/train.jsonl", "reviews/test.jsonl", "arithmetic/train.jsonl", "arithmetic/test.jsonl",
-                 "report.md", "report.json"):
+    for name in (
+        "tiny-sft/model.safetensors",
+        "tiny-sft/config.json",
+        "tiny-sft/tokenizer.json",
+        "tiny-sft/generation_config.json",
+        "tiny-rm/model.safetensors",
+        "tiny-rm/tokenizer.json",
+        "reviews/train.jsonl",
+        "reviews/test.jsonl",
+        "arithmetic/train.jsonl",
+        "arithmetic/test.jsonl",
+        "report.md",
+        "report.json",
+    ):
         assert (tmp_path / name).exists(), name
     check_loaded(*load(str(tmp_path / "tiny-sft"), str(tmp_path / "tiny-rm")))
     report = json.loads((tmp_path / "report.json").read_text())

@@ -1,4 +1,5 @@
 """bench/bench_generate.py: the smoke run works, and its methods do the same work on the tiny model."""
+
 import os
 import subprocess
 import sys
@@ -13,10 +14,20 @@ import bench_generate as bg  # noqa: E402
 
 def test_quick_run_writes_a_row_per_method(tmp_path):
     out = tmp_path / "gen.md"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_generate.py"), "--quick", "--device", "cpu",
-           "--threads", "1", "--out", str(out)]
-    result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                            timeout=120)
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "bench_generate.py"),
+        "--quick",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| tiny |")]
     assert [row[4].strip() for row in rows] == ["scripts", "static", "hf-generate", "no-cache"]  # no CUDA graph here

@@ -1,5 +1,6 @@
 """bench/padding.py: its counts against a hand computation, its long-tailed shape, and a quick run on a real
 rollout."""
+
 import os
 import subprocess
 import sys
@@ -40,9 +41,23 @@ def test_the_long_tailed_shape_stays_in_its_ranges():
 
 def test_a_quick_run_prints_a_row_per_setting(tmp_path):
     out = tmp_path / "padding.md"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "padding.py"), "--scripts", "grpo.py",
-                             "--rollouts", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "padding.py"),
+            "--scripts",
+            "grpo.py",
+            "--rollouts",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in out.read_text().splitlines() if line.startswith("| `grpo.py`") or "GSM8K" in line]
     assert len(rows) == 2

@@ -1,5 +1,6 @@
 """bench/real_tokens.py: the positions each layout computes against a hand count, and its packed and fused-head
 layouts computing the log-probs of the padded one (the bench times them only because they do)."""
+
 import os
 import sys
 
@@ -17,8 +18,17 @@ PROMPTS, RESPONSES = [2, 3, 1, 2], [1, 3, 2, 2]  # 8 + 8 = 16 real tokens in row
 @pytest.fixture(scope="module")
 def policy():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=1)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=1,
+        )
+    ).eval()
 
 
 def test_the_positions_of_each_layout_by_hand(policy):
@@ -26,12 +36,22 @@ def test_the_positions_of_each_layout_by_hand(policy):
     assert P == 3 and attention_mask.sum(1).tolist() == [3, 6, 3, 4]
     # one micro-batch of all four rows: padded and cut alike are 4 x 6 wide; packed computes the 16 real tokens
     counts = {x: real_tokens.epoch(x, policy, input_ids, attention_mask, P, 4, 4) for x in real_tokens.LAYOUTS}
-    assert counts == {"padded, full head": 24, "padded": 24, "sorted and cut": 24, "sorted and cut, fused head": 24,
-                      "packed": 16}
+    assert counts == {
+        "padded, full head": 24,
+        "padded": 24,
+        "sorted and cut": 24,
+        "sorted and cut, fused head": 24,
+        "packed": 16,
+    }
     # micro-batches of one row: a cut row is its own tokens alone, 16 in all
     counts = {x: real_tokens.epoch(x, policy, input_ids, attention_mask, P, 4, 1) for x in real_tokens.LAYOUTS}
-    assert counts == {"padded, full head": 24, "padded": 24, "sorted and cut": 16, "sorted and cut, fused head": 16,
-                      "packed": 16}
+    assert counts == {
+        "padded, full head": 24,
+        "padded": 24,
+        "sorted and cut": 16,
+        "sorted and cut, fused head": 16,
+        "packed": 16,
+    }
     # sorted, micro-batches of two: rows of 3, 3 tokens (0, 2: prompts 2 and 1, responses 1 and 2: 2 + 2 wide) and
     # 4, 6 (3, 1: prompts 2 and 3, responses 2 and 3: 3 + 3 wide): 2 x 4 + 2 x 6 = 20
     assert real_tokens.epoch("sorted and cut", policy, input_ids, attention_mask, P, 4, 2) == 20
@@ -51,6 +71,7 @@ def test_the_prefill_parts_before_side_encodes_every_row(policy):
     """The part's "every row" side stands for generate before the sharing: with the grouping replaced, the prefill
     runs on all 6 rows of 2 groups of 3 (not 2), and both sides sample the same tokens with the same log-probs."""
     from unittest import mock
+
     prompt_ids, prompt_mask = real_tokens.ppo.left_pad([[5, 6, 7]] * 3 + [[8, 9]] * 3, 1, "cpu")
     uniforms, stop = torch.rand(6, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0])
     batches = []

@@ -1,19 +1,22 @@
 """Chat prompts and stop tokens, shared by the three scripts (tested through ppo.py's copy): prompts given as chat
 messages, or text with --chat_template, are rendered by the tokenizer's template as written out here by hand; a
 response ends at the template's end-of-turn token as well as at EOS; bad chat input is refused in one sentence."""
+
 import json
 import os
 import shutil
 
 import pytest
 import torch
+from helpers import ROOT, run_script
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import ppo
-from helpers import ROOT, run_script
 
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def chat_tokenizer():
@@ -31,11 +34,15 @@ def write_rows(path, rows):
 
 def test_chat_prompts_render_as_the_template_says(tmp_path):
     tokenizer = chat_tokenizer()
-    rows = [{"prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "the food was"}]},
-            {"prompt": "the room was"}]
+    rows = [
+        {"prompt": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "the food was"}]},
+        {"prompt": "the room was"},
+    ]
     path = write_rows(tmp_path / "chat.jsonl", rows)
-    by_hand = ["<|system|>be kind<|end|>\n<|user|>the food was<|end|>\n<|assistant|>",
-               "<|user|>the room was<|end|>\n<|assistant|>"]
+    by_hand = [
+        "<|system|>be kind<|end|>\n<|user|>the food was<|end|>\n<|assistant|>",
+        "<|user|>the room was<|end|>\n<|assistant|>",
+    ]
     args = ppo.Args(chat_template=True)
     prompts, _ = ppo.load_prompts(path, "train", args, tokenizer)
     assert prompts == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in by_hand]
@@ -43,8 +50,10 @@ def test_chat_prompts_render_as_the_template_says(tmp_path):
     assert end in prompts[0] and prompts[0].count(end) == 2  # the special token is one token, not its characters
     # without --chat_template, text stays text and messages are still rendered
     prompts, _ = ppo.load_prompts(path, "train", ppo.Args(), tokenizer)
-    assert prompts == [tokenizer(by_hand[0], add_special_tokens=False)["input_ids"],
-                       tokenizer("the room was", add_special_tokens=False)["input_ids"]]
+    assert prompts == [
+        tokenizer(by_hand[0], add_special_tokens=False)["input_ids"],
+        tokenizer("the room was", add_special_tokens=False)["input_ids"],
+    ]
 
 
 def test_stop_tokens_are_eos_the_generation_config_and_the_end_of_turn(tmp_path):
@@ -62,8 +71,15 @@ def test_a_response_ends_at_any_stop_token():
     ends there, the mask covering it, pad after it, and with the same log-probs up to it."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
     )
     policy = LlamaForCausalLM(config).eval()
     prompt_ids, prompt_mask = ppo.left_pad([[5, 6, 7]], 0, "cpu")
@@ -82,12 +98,15 @@ def test_a_response_ends_at_any_stop_token():
     torch.testing.assert_close(logprobs[0, : first + 1], free_logprobs[0, : first + 1])
 
 
-@pytest.mark.parametrize("prompt, chat_template, message", [
-    ([{"role": "user", "content": "hi"}], False, "needs a chat template, but the tokenizer"),
-    ("the food was", True, "needs a chat template, but the tokenizer"),
-    ([{"text": "hi"}], False, "a prompt is text or a list of"),
-    ({"role": "user"}, False, "a prompt is text or a list of"),
-])
+@pytest.mark.parametrize(
+    "prompt, chat_template, message",
+    [
+        ([{"role": "user", "content": "hi"}], False, "needs a chat template, but the tokenizer"),
+        ("the food was", True, "needs a chat template, but the tokenizer"),
+        ([{"text": "hi"}], False, "a prompt is text or a list of"),
+        ({"role": "user"}, False, "a prompt is text or a list of"),
+    ],
+)
 def test_bad_chat_input_is_refused_in_one_sentence(tmp_path, prompt, chat_template, message):
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))  # no chat template
     path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "fine"}, {"prompt": prompt}])
@@ -105,9 +124,29 @@ def test_a_run_on_chat_prompts(tmp_path):
     tokenizer.save_pretrained(str(model))
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "reviews", "train.jsonl"))][:64]
     data = write_rows(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows])
-    metrics, printed = run_script("ppo.py", tmp_path / "out", "--model_name_or_path", str(model), "--dataset", data,
-                                  "--total_episodes", "32", "--rollout_batch_size", "16", "--minibatch_size", "8",
-                                  "--micro_batch_size", "8", "--num_epochs", "1", "--eval_every", "0",
-                                  "--log_samples_every", "1", "--max_prompt_length", "96")
+    metrics, printed = run_script(
+        "ppo.py",
+        tmp_path / "out",
+        "--model_name_or_path",
+        str(model),
+        "--dataset",
+        data,
+        "--total_episodes",
+        "32",
+        "--rollout_batch_size",
+        "16",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "8",
+        "--num_epochs",
+        "1",
+        "--eval_every",
+        "0",
+        "--log_samples_every",
+        "1",
+        "--max_prompt_length",
+        "96",
+    )
     assert [r["iteration"] for r in metrics] == [1, 2]
     assert "<|user|>" in printed and "<|assistant|>" in printed

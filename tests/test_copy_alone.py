@@ -1,6 +1,7 @@
 """A script is a file a reader copies into their own project. Copied alone into an empty folder it still runs: the
 log-probs come from its plain torch path (no rlhf_kernels beside it), the embedded example is looked for beside the
 script (and missing, one sentence names the options to pass), and a model that cannot be had fails at once."""
+
 import json
 import os
 import shutil
@@ -9,12 +10,12 @@ import sys
 
 import pytest
 import torch
+from helpers import ENV, ROOT
 from safetensors.torch import load_file
 
 import grpo
 import ppo
 import rloo
-from helpers import ENV, ROOT
 
 MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
 ALONE = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}  # nothing of the repository on the path
@@ -24,8 +25,20 @@ KERNEL_LINE = "rlhf_kernels (the fused log-prob kernel) was not found: log-probs
 def two_iterations(script):
     """Two iterations of the script on the embedded models, every path given (as a copier of the file passes them)."""
     data = "arithmetic" if script == "grpo.py" else "reviews"
-    args = ["--model_name_or_path", f"{ROOT}/assets/tiny-sft", "--dataset", f"{ROOT}/assets/{data}/train.jsonl",
-            "--eval_every", "0", "--response_length", "8", "--minibatch_size", "8", "--micro_batch_size", "8"]
+    args = [
+        "--model_name_or_path",
+        f"{ROOT}/assets/tiny-sft",
+        "--dataset",
+        f"{ROOT}/assets/{data}/train.jsonl",
+        "--eval_every",
+        "0",
+        "--response_length",
+        "8",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "8",
+    ]
     if script != "grpo.py":
         args += ["--reward_model_path", f"{ROOT}/assets/tiny-rm"]
     if script == "ppo.py":
@@ -34,8 +47,9 @@ def two_iterations(script):
 
 
 def run(script_path, cwd, *args):
-    return subprocess.run([sys.executable, str(script_path), *args], cwd=cwd, env=ALONE, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script_path), *args], cwd=cwd, env=ALONE, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("script", list(MODULES))
@@ -81,8 +95,9 @@ for T in (1.0, 0.7):
     policy.zero_grad()
 torch.save((ids, mask, out), "out.pt")
 """
-    done = subprocess.run([sys.executable, "-c", code], cwd=alone, env=ALONE, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=alone, env=ALONE, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ids, mask, out = torch.load(alone / "out.pt")
     from transformers import AutoModelForCausalLM
@@ -111,8 +126,22 @@ def test_a_copied_script_without_its_example_names_the_options_to_pass(script, t
 
 def test_the_repository_script_run_from_another_folder_finds_its_example(tmp_path):
     """`python /abs/path/ppo.py` from elsewhere reads the embedded example beside the script, not the working folder."""
-    tiny = ["--total_episodes", "16", "--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8",
-            "--num_epochs", "1", "--response_length", "8", "--eval_every", "0"]
+    tiny = [
+        "--total_episodes",
+        "16",
+        "--rollout_batch_size",
+        "8",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "8",
+        "--num_epochs",
+        "1",
+        "--response_length",
+        "8",
+        "--eval_every",
+        "0",
+    ]
     done = run(os.path.join(ROOT, "ppo.py"), tmp_path, *tiny, "--output_dir", "run")
     assert done.returncode == 0, done.stderr[-3000:]
     saved = json.load(open(tmp_path / "run" / "args.json"))
@@ -127,8 +156,20 @@ def test_a_model_that_cannot_be_had_fails_at_once(offline, tmp_path):
     closed), one sentence and no retries."""
     env = {k: v for k, v in ALONE.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_HUB_OFFLINE="1") if offline else env.update(HF_ENDPOINT="http://127.0.0.1:9")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "ppo.py"), "--model_name_or_path", "nobody/no-model",
-                           "--output_dir", str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "ppo.py"),
+            "--model_name_or_path",
+            "nobody/no-model",
+            "--output_dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr and "Retrying" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("--model_name_or_path 'nobody/no-model' could not be found")

@@ -17,6 +17,7 @@ response) that float32 holds to about 1e-7 of their size: they are compared to 1
 (at the first iteration the policy is the reference and the KL is rounding alone).
 Not compared: time/*, memory/* (it is what must differ) and policy/first_ratio_dev (the first micro-batch of rank 0,
 which is another micro-batch than the single process's first)."""
+
 import json
 import math
 import os
@@ -24,19 +25,52 @@ import subprocess
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from helpers import ENV, ROOT, TORCHRUN, run_script, torchrun
+from transformers import AutoConfig, AutoModelForCausalLM
 
 # Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
 # batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
 ARGS = {
-    "ppo.py": ["--total_episodes", "48", "--rollout_batch_size", "16", "--minibatch_size", "8",
-               "--micro_batch_size", "2", "--num_epochs", "2"],
-    "grpo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8",
-                "--minibatch_size", "16", "--micro_batch_size", "4", "--num_epochs", "2"],
-    "rloo.py": ["--total_episodes", "96", "--rollout_batch_size", "4", "--num_generations", "8",
-                "--minibatch_size", "16", "--micro_batch_size", "4", "--num_epochs", "2"],
+    "ppo.py": [
+        "--total_episodes",
+        "48",
+        "--rollout_batch_size",
+        "16",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "2",
+        "--num_epochs",
+        "2",
+    ],
+    "grpo.py": [
+        "--total_episodes",
+        "96",
+        "--rollout_batch_size",
+        "4",
+        "--num_generations",
+        "8",
+        "--minibatch_size",
+        "16",
+        "--micro_batch_size",
+        "4",
+        "--num_epochs",
+        "2",
+    ],
+    "rloo.py": [
+        "--total_episodes",
+        "96",
+        "--rollout_batch_size",
+        "4",
+        "--num_generations",
+        "8",
+        "--minibatch_size",
+        "16",
+        "--micro_batch_size",
+        "4",
+        "--num_epochs",
+        "2",
+    ],
 }
 
 
@@ -52,8 +86,19 @@ def held_out(tmp_path_factory):
 
 def common(script, held_out):
     task = "arithmetic" if script == "grpo.py" else "reviews"
-    return [*ARGS[script], "--response_length", "8", "--eval_every", "1", "--eval_batch_size", "4",
-            "--eval_dataset", held_out[task], "--save_every", "1"]
+    return [
+        *ARGS[script],
+        "--response_length",
+        "8",
+        "--eval_every",
+        "1",
+        "--eval_batch_size",
+        "4",
+        "--eval_dataset",
+        held_out[task],
+        "--save_every",
+        "1",
+    ]
 
 
 def run_torchrun(script, out, *args):
@@ -83,12 +128,19 @@ def read_rows(out):
 
 
 def compared(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "policy/first_ratio_dev"}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "policy/first_ratio_dev"}
+        for r in rows
+    ]
 
 
-LOGPROB_DIFFERENCES = {"objective/kl", "objective/non_score_reward", "objective/rlhf_reward", "policy/kl_term",
-                       "policy/approx_kl"}
+LOGPROB_DIFFERENCES = {
+    "objective/kl",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "policy/kl_term",
+    "policy/approx_kl",
+}
 
 
 def assert_rows_agree(got, expected):
@@ -99,7 +151,8 @@ def assert_rows_agree(got, expected):
         for k in a:
             floor = max(1e-6, 1e-5 * logprob_scale) if k in LOGPROB_DIFFERENCES else 1e-6
             assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=floor), (
-                f"iteration {a['iteration']} {k}: {a[k]} on two processes, {b[k]} on one")
+                f"iteration {a['iteration']} {k}: {a[k]} on two processes, {b[k]} on one"
+            )
 
 
 def assert_same_model(got, expected):
@@ -127,16 +180,37 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
     assert 0.45 <= ratio <= 0.55
 
 
-@pytest.mark.parametrize("script,flags", [("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
-                                          ("ppo.py", ["--shared_backbone"]),
-                                          ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
-                                          ("rloo.py", ["--decode", "static", "--lora_r", "4", "--lora_alpha", "8"]),
-                                          ("grpo.py", ["--policy_loss", "gspo", "--loss_aggregation", "sequence_mean",
-                                                       "--clip_range_low", "3e-4", "--clip_range_high", "4e-4"]),
-                                          ("rloo.py", ["--policy_loss", "cispo", "--clip_range_low", "1",
-                                                       "--mask_truncated"])],
-                         ids=["ppo-lora", "ppo-shared-backbone", "grpo-lora", "rloo-static-decode-lora", "grpo-gspo",
-                              "rloo-cispo-mask-truncated"])
+@pytest.mark.parametrize(
+    "script,flags",
+    [
+        ("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
+        ("ppo.py", ["--shared_backbone"]),
+        ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
+        ("rloo.py", ["--decode", "static", "--lora_r", "4", "--lora_alpha", "8"]),
+        (
+            "grpo.py",
+            [
+                "--policy_loss",
+                "gspo",
+                "--loss_aggregation",
+                "sequence_mean",
+                "--clip_range_low",
+                "3e-4",
+                "--clip_range_high",
+                "4e-4",
+            ],
+        ),
+        ("rloo.py", ["--policy_loss", "cispo", "--clip_range_low", "1", "--mask_truncated"]),
+    ],
+    ids=[
+        "ppo-lora",
+        "ppo-shared-backbone",
+        "grpo-lora",
+        "rloo-static-decode-lora",
+        "grpo-gspo",
+        "rloo-cispo-mask-truncated",
+    ],
+)
 def test_two_processes_compute_what_one_computes_with_other_options(script, flags, held_out, tmp_path):
     """The same agreement with adapters (peft's layers inside FSDP2's units, the reference as the policy with its
     adapters off, the merged save gathered from the shards), with the value head on the policy's sharded trunk, with

@@ -16,33 +16,58 @@ family this checks that
 - a reward model saved without a tokenizer is given none, and so reads the policy's token ids;
 - ppo.py, grpo.py and rloo.py each run two iterations with the family's policy and reward model, and the policy they
   save loads back as the same architecture, with every weight, moved from where it started."""
+
 import math
 import os
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GemmaConfig,
-                          GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from helpers import ROOT, assert_group_prompts_prefilled_once, assert_static_decode_matches_dynamic, run_script
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GemmaConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 import ppo
-from helpers import ROOT, assert_group_prompts_prefilled_once, assert_static_decode_matches_dynamic, run_script
 
 TOKENIZER = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
 # Every family gets the embedded tokenizer's vocabulary and special tokens (it has no BOS).
 PAD, EOS = TOKENIZER.pad_token_id, TOKENIZER.eos_token_id
 TOKENS = dict(vocab_size=len(TOKENIZER), bos_token_id=TOKENIZER.bos_token_id, eos_token_id=EOS, pad_token_id=PAD)
-DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=128)
+DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 FAMILIES = {
     "llama": lambda **kw: LlamaConfig(**DECODER, **TOKENS, **kw),
     "qwen2": lambda **kw: Qwen2Config(**DECODER, **TOKENS, **kw),
     "qwen3": lambda **kw: Qwen3Config(**DECODER, head_dim=8, **TOKENS, **kw),
-    "gpt_neox": lambda **kw: GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, max_position_embeddings=128, **TOKENS, **kw),
+    "gpt_neox": lambda **kw: GPTNeoXConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **TOKENS,
+        **kw,
+    ),
     "gpt2": lambda **kw: GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **TOKENS, **kw),
     "gemma": lambda **kw: GemmaConfig(**DECODER, head_dim=8, **TOKENS, **kw),
-    "qwen3_moe": lambda **kw: Qwen3MoeConfig(**DECODER, head_dim=8, moe_intermediate_size=32, num_experts=4,
-                                             num_experts_per_tok=2, **TOKENS, **kw),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(
+        **DECODER, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **TOKENS, **kw
+    ),
 }
 
 
@@ -102,29 +127,53 @@ def test_reward_head_is_padding_invariant(family):
 def test_a_reward_model_without_a_tokenizer_reads_the_policys_tokens(family):
     # Were it given a tokenizer of its own, the responses would be decoded and re-tokenised for it; an empty one (what
     # transformers builds for most families when none was saved) turns every response into nothing, or into <unk>s.
-    (rm, own), = ppo.load_reward_models(ppo.Args(reward_model_path=(str(family[1]),)), TOKENIZER, "cpu")
+    ((rm, own),) = ppo.load_reward_models(ppo.Args(reward_model_path=(str(family[1]),)), TOKENIZER, "cpu")
     assert own is None and rm.config.pad_token_id == PAD
 
 
 # Two iterations of four responses each, one optimiser step per iteration. All three scripts on the review prompts,
 # scored by the family's reward model: grpo.py's default rule reward would give a random policy 0 on every arithmetic
 # answer, every group zero-signal, and no step to check.
-TINY = ["--total_episodes", "8", "--minibatch_size", "4", "--micro_batch_size", "4", "--response_length", "8",
-        "--eval_every", "0", "--reward_fn", "--dataset", os.path.join(ROOT, "assets", "reviews", "train.jsonl")]
-BATCH = {"ppo.py": ["--rollout_batch_size", "4", "--num_epochs", "1"],
-         "grpo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
-         "rloo.py": ["--rollout_batch_size", "2", "--num_generations", "2"]}
+TINY = [
+    "--total_episodes",
+    "8",
+    "--minibatch_size",
+    "4",
+    "--micro_batch_size",
+    "4",
+    "--response_length",
+    "8",
+    "--eval_every",
+    "0",
+    "--reward_fn",
+    "--dataset",
+    os.path.join(ROOT, "assets", "reviews", "train.jsonl"),
+]
+BATCH = {
+    "ppo.py": ["--rollout_batch_size", "4", "--num_epochs", "1"],
+    "grpo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
+    "rloo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
+}
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
 def test_two_iterations(script, family, tmp_path):
     policy, rm = family
-    rows, _ = run_script(script, tmp_path / "run", *TINY, *BATCH[script], "--model_name_or_path", str(policy),
-                         "--reward_model_path", str(rm))
+    rows, _ = run_script(
+        script,
+        tmp_path / "run",
+        *TINY,
+        *BATCH[script],
+        "--model_name_or_path",
+        str(policy),
+        "--reward_model_path",
+        str(rm),
+    )
     assert [r["iteration"] for r in rows] == [1, 2]
     for r in rows:
-        for key in (("objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy")
-                    + (("val/loss",) if script == "ppo.py" else ())):
+        for key in ("objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy") + (
+            ("val/loss",) if script == "ppo.py" else ()
+        ):
             assert math.isfinite(r[key]), key
         # logprobs_old recorded while sampling equal the training forward (dropout off, where a config has it on)
         assert r["policy/first_ratio_dev"] < 1e-4

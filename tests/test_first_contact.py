@@ -1,24 +1,41 @@
 """What a new user meets first: equal groups, low temperatures, torchrun with the defaults, their own reward function,
 and inputs that must end in one sentence before any model loads, leaving nothing behind."""
+
 import json
 import os
 import re
 
 import pytest
 import torch
+from helpers import ROOT, readme_files, run_script, torchrun
 
 import grpo
 import ppo
 import rloo
-from helpers import ROOT, readme_files, run_script, torchrun
 
 MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
 TINY = {  # two or more iterations of a few responses each
     "ppo.py": ["--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8", "--num_epochs", "1"],
-    "grpo.py": ["--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8",
-                "--micro_batch_size", "8"],
-    "rloo.py": ["--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8",
-                "--micro_batch_size", "8"],
+    "grpo.py": [
+        "--rollout_batch_size",
+        "2",
+        "--num_generations",
+        "4",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "8",
+    ],
+    "rloo.py": [
+        "--rollout_batch_size",
+        "2",
+        "--num_generations",
+        "4",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "8",
+    ],
 }
 
 
@@ -97,8 +114,18 @@ def test_response_logprobs_are_zero_past_the_end_at_a_low_temperature():
 @pytest.mark.parametrize("temperature", ["0.25", "0.1"])
 @pytest.mark.parametrize("script,flags", [("grpo.py", []), ("rloo.py", ["--kl_in_loss"])])
 def test_the_kl_in_the_loss_stays_finite_at_low_temperatures(script, flags, temperature, tmp_path):
-    rows, _ = run_script(script, tmp_path, *TINY[script], "--total_episodes", "80", "--temperature", temperature,
-                         "--eval_every", "0", *flags)
+    rows, _ = run_script(
+        script,
+        tmp_path,
+        *TINY[script],
+        "--total_episodes",
+        "80",
+        "--temperature",
+        temperature,
+        "--eval_every",
+        "0",
+        *flags,
+    )
     assert len(rows) == 10
     assert rows[-1]["health/skipped_steps"] == 0
     assert all(r["policy/kl_term"] >= 0 and r["policy/kl_term"] < float("inf") for r in rows)
@@ -170,28 +197,40 @@ def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
 def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
     path = readme_files(tmp_path)["my_reward.py"]
     readme = open(os.path.join(ROOT, "README.md")).read()
-    command = re.search(r"^python grpo\.py --reward_fn my_reward\.py:correct my_reward\.py:bare_number .*$", readme,
-                        re.M).group(0)
+    command = re.search(
+        r"^python grpo\.py --reward_fn my_reward\.py:correct my_reward\.py:bare_number .*$", readme, re.M
+    ).group(0)
     correct, bare_number = (grpo.load_reward_fn(f"{path}:{name}") for name in ("correct", "bare_number"))
     # by hand: correct and well formed, well formed but wrong, neither
     assert correct(["12", "13", "twelve"], ["12", "12", "12"]) == [1.0, 0.0, 0.0]
     assert bare_number(["12", "13", "twelve"], ["12", "12", "12"]) == [1.0, 1.0, 0.0]
     argv = [a.replace("my_reward.py:", f"{path}:") for a in command.split()[2:]]
-    rows, _ = run_script("grpo.py", tmp_path / "run", *argv[: argv.index("--output_dir")], *TINY["grpo.py"],
-                         "--total_episodes", "16", "--eval_every", "0")
+    rows, _ = run_script(
+        "grpo.py",
+        tmp_path / "run",
+        *argv[: argv.index("--output_dir")],
+        *TINY["grpo.py"],
+        "--total_episodes",
+        "16",
+        "--eval_every",
+        "0",
+    )
     for r in rows:  # the score is the right answers' rate plus 0.1 times the well-formed rate
         assert r["objective/score"] == pytest.approx(r["reward/correct"] + 0.1 * r["reward/bare_number"], abs=1e-6)
     assert any(r["reward/bare_number"] > 0 for r in rows)
 
 
-@pytest.mark.parametrize("spec,message", [
-    ("no_such_file.py:reward", "'no_such_file.py' could not be loaded \\(FileNotFoundError"),
-    ("{tmp}/rule.py:missing", "has no function 'missing'"),
-    ("{tmp}/rule.py:one_argument", r"cannot be called as one_argument\(responses, answers\)"),
-    ("{tmp}/broken.py:reward", "could not be loaded \\(ZeroDivisionError"),
-    ("no_such_module_here:reward", "could not be loaded \\(ModuleNotFoundError"),
-    ("nope", "unknown --reward_fn 'nope'"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("no_such_file.py:reward", "'no_such_file.py' could not be loaded \\(FileNotFoundError"),
+        ("{tmp}/rule.py:missing", "has no function 'missing'"),
+        ("{tmp}/rule.py:one_argument", r"cannot be called as one_argument\(responses, answers\)"),
+        ("{tmp}/broken.py:reward", "could not be loaded \\(ZeroDivisionError"),
+        ("no_such_module_here:reward", "could not be loaded \\(ModuleNotFoundError"),
+        ("nope", "unknown --reward_fn 'nope'"),
+    ],
+)
 def test_a_bad_reward_function_stops_before_any_model_loads(spec, message, tmp_path):
     (tmp_path / "rule.py").write_text("def one_argument(responses):\n    return [0.0] * len(responses)\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
@@ -209,8 +248,10 @@ def test_bad_datasets_name_the_row_and_leave_nothing_behind(tmp_path):
         "latin1.jsonl": (b'{"prompt": "fine"}\n{"prompt": "caf\xe9 was"}\n', "line 2 of .* is not UTF-8 text"),
         "blank.jsonl": (b'{"prompt": "fine"}\n{"prompt": "   \\t "}\n', "row 2 of .* has an empty prompt"),
         "empty.jsonl": (b'{"prompt": "fine"}\n{"prompt": ""}\n', "row 2 of .* has an empty prompt"),
-        "long.jsonl": (b'{"prompt": "the"}\n' + b'{"prompt": "' + b"the movie was good " * 40 + b'"}\n',
-                       "1 prompts of .* are longer than --max_prompt_length 64 \\(the first is row 2"),
+        "long.jsonl": (
+            b'{"prompt": "the"}\n' + b'{"prompt": "' + b"the movie was good " * 40 + b'"}\n',
+            "1 prompts of .* are longer than --max_prompt_length 64 \\(the first is row 2",
+        ),
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_bytes(content)

@@ -1,6 +1,7 @@
 """bench/gpu_check.sh and gpu_check.py, on a machine without a GPU: the shell script parses, every command line its
 rows would run parses as the script it calls, the GSM8K row has the README recipe's shapes, the wheels it carries
 are the lock's versions, and its fastest rows run on the CPU and write the report."""
+
 import os
 import re
 import shlex
@@ -9,12 +10,12 @@ import sys
 
 import pytest
 import tyro
+from helpers import ROOT
 from packaging.requirements import Requirement
 
 import grpo
 import ppo
 import rloo
-from helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_generate  # noqa: E402
@@ -42,21 +43,43 @@ def test_every_row_parses(device):
         parse("grpo.py", [*gpu_check.grpo_args(s, "policy"), "--decode", decode])
     for script in MODULES:
         args = parse(script, gpu_check.torchrun_args(script))
-        assert args.mixed_precision and args.save_every == 1 and args.total_episodes == 3 * args.rollout_batch_size * (
-            1 if script == "ppo.py" else args.num_generations)  # three iterations
+        assert (
+            args.mixed_precision
+            and args.save_every == 1
+            and args.total_episodes == 3 * args.rollout_batch_size * (1 if script == "ppo.py" else args.num_generations)
+        )  # three iterations
 
 
 def test_the_gsm8k_row_has_the_readme_recipe_shapes():
     readme = open(os.path.join(ROOT, "README.md")).read()
-    recipe = re.search(r"python grpo\.py --model_name_or_path Qwen/Qwen2\.5-0\.5B-Instruct (--mixed_precision.*?)```",
-                       readme, re.S)
+    recipe = re.search(
+        r"python grpo\.py --model_name_or_path Qwen/Qwen2\.5-0\.5B-Instruct (--mixed_precision.*?)```", readme, re.S
+    )
     words = shlex.split(recipe.group(1).replace("\\\n", " "))
-    expected = parse("grpo.py", [w for w in words if not w.startswith("openai/")
-                                 and w not in ("--dataset", "--eval_dataset", "--dataset_config", "main")])
+    expected = parse(
+        "grpo.py",
+        [
+            w
+            for w in words
+            if not w.startswith("openai/") and w not in ("--dataset", "--eval_dataset", "--dataset_config", "main")
+        ],
+    )
     got = parse("grpo.py", gpu_check.grpo_args(gpu_check.sizes("cuda"), "policy"))
-    for field in ("num_generations", "rollout_batch_size", "minibatch_size", "micro_batch_size", "num_epochs",
-                  "learning_rate", "lora_r", "lora_alpha", "kl_coef", "ent_coef", "response_length",
-                  "max_prompt_length", "mixed_precision"):
+    for field in (
+        "num_generations",
+        "rollout_batch_size",
+        "minibatch_size",
+        "micro_batch_size",
+        "num_epochs",
+        "learning_rate",
+        "lora_r",
+        "lora_alpha",
+        "kl_coef",
+        "ent_coef",
+        "response_length",
+        "max_prompt_length",
+        "mixed_precision",
+    ):
         assert getattr(got, field) == getattr(expected, field), field
 
 
@@ -106,14 +129,25 @@ def test_the_prefill_row_runs_on_the_cpu(tmp_path):
 def test_the_targets_are_read_off_the_tables(tmp_path):
     """On a made-up CUDA table: the new loop's speed-ups against the issue's 10x / 5x / 10x, the eager path's tokens,
     and a PPO iteration's time against 0.6x of the old one's."""
-    header = ("| model | batch | new tokens | method | median s | tokens/s | vs scripts | vs hf-generate | "
-              "same tokens (sampled, greedy) | max abs logp diff | same as static, op by op | its max abs logp diff |")
-    rows = [("qwen0.5b-shape", 256, "12.50x", "yes, yes"), ("qwen0.5b-shape", 64, "4.90x", "yes, yes"),
-            ("tiny", 256, "30.00x", "yes, no")]
+    header = (
+        "| model | batch | new tokens | method | median s | tokens/s | vs scripts | vs hf-generate | "
+        "same tokens (sampled, greedy) | max abs logp diff | same as static, op by op | its max abs logp diff |"
+    )
+    rows = [
+        ("qwen0.5b-shape", 256, "12.50x", "yes, yes"),
+        ("qwen0.5b-shape", 64, "4.90x", "yes, yes"),
+        ("tiny", 256, "30.00x", "yes, no"),
+    ]
     table = tmp_path / "generation.md"
-    table.write_text("\n".join([header, "|---|" * 12] + [
-        f"| {model} | {batch} | 128 | cuda-graph | 1.0 | 1 | {speedup} | 1.00x | no, yes | 1.0e-02 | {eager} | 0 |"
-        for model, batch, speedup, eager in rows]))
+    table.write_text(
+        "\n".join(
+            [header, "|---|" * 12]
+            + [
+                f"| {model} | {batch} | 128 | cuda-graph | 1.0 | 1 | {speedup} | 1.00x | no, yes | 1.0e-02 | {eager} | 0 |"
+                for model, batch, speedup, eager in rows
+            ]
+        )
+    )
     ctx = {"device": "cuda", "generation": gpu_check.bench_table(table), "ppo.py": 0.55}
     met = [m for _, _, m in gpu_check.targets(ctx)]
     assert met == [True, False, True, False, None, True]  # 4.9x < 5x; one greedy token off the eager path

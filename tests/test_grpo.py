@@ -1,14 +1,15 @@
 """grpo.py against independent references: the seed's worked example, plain loops, hand computations, and the
 definitions of the KL estimators."""
+
 import math
 import os
 
 import pytest
 import torch
+from helpers import run_script
 from transformers import AutoModelForCausalLM
 
 import grpo
-from helpers import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,23 +60,28 @@ LENGTHS, T = [1, 3, 2], 4
 def ragged():
     mask = (torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]).double()
     # 9s are padding
-    losses = torch.tensor([[2.0, 9, 9, 9], [1.0, 4.0, 7.0, 9], [3.0, 5.0, 9, 9]], dtype=torch.float64,
-                          requires_grad=True)
+    losses = torch.tensor(
+        [[2.0, 9, 9, 9], [1.0, 4.0, 7.0, 9], [3.0, 5.0, 9, 9]], dtype=torch.float64, requires_grad=True
+    )
     return losses, mask
 
 
-@pytest.mark.parametrize("aggregation,expected", [
-    ("token_mean", (2 + 1 + 4 + 7 + 3 + 5) / 6),                  # one mean over the 6 valid tokens
-    ("sequence_mean", (2 / 1 + (1 + 4 + 7) / 3 + (3 + 5) / 2) / 3),  # the mean of the 3 responses' means
-    ("constant", (2 + 1 + 4 + 7 + 3 + 5) / (3 * T)),               # the token sum over 3 x response_length
-])
+@pytest.mark.parametrize(
+    "aggregation,expected",
+    [
+        ("token_mean", (2 + 1 + 4 + 7 + 3 + 5) / 6),  # one mean over the 6 valid tokens
+        ("sequence_mean", (2 / 1 + (1 + 4 + 7) / 3 + (3 + 5) / 2) / 3),  # the mean of the 3 responses' means
+        ("constant", (2 + 1 + 4 + 7 + 3 + 5) / (3 * T)),  # the token sum over 3 x response_length
+    ],
+)
 def test_aggregation_by_hand(aggregation, expected):
     losses, mask = ragged()
     weights = grpo.loss_weights(mask, aggregation, T, num_sequences=3, num_tokens=6)
     assert (losses * weights).sum().item() == pytest.approx(expected, rel=1e-12)
     # Micro-batches that use the minibatch's counts add up to the same loss.
-    halves = sum((losses[s] * grpo.loss_weights(mask[s], aggregation, T, 3, 6)).sum()
-                 for s in (slice(0, 1), slice(1, 3)))
+    halves = sum(
+        (losses[s] * grpo.loss_weights(mask[s], aggregation, T, 3, 6)).sum() for s in (slice(0, 1), slice(1, 3))
+    )
     assert halves.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -98,13 +104,19 @@ def test_aggregation_gradient_weights_long_and_short_responses():
 
 def test_kl_estimators_match_their_formulas():
     g = torch.Generator().manual_seed(0)
-    logp, logp_ref = (-torch.rand(50, generator=g, dtype=torch.float64) * 5,
-                      -torch.rand(50, generator=g, dtype=torch.float64) * 5)
-    for estimator, formula in (("k1", lambda a, b: a - b), ("k2", lambda a, b: 0.5 * (a - b) ** 2),
-                               ("k3", lambda a, b: math.exp(b - a) - (b - a) - 1)):
+    logp, logp_ref = (
+        -torch.rand(50, generator=g, dtype=torch.float64) * 5,
+        -torch.rand(50, generator=g, dtype=torch.float64) * 5,
+    )
+    for estimator, formula in (
+        ("k1", lambda a, b: a - b),
+        ("k2", lambda a, b: 0.5 * (a - b) ** 2),
+        ("k3", lambda a, b: math.exp(b - a) - (b - a) - 1),
+    ):
         got = grpo.kl_penalty(logp, logp_ref, estimator)
-        assert got.tolist() == pytest.approx([formula(a, b) for a, b in zip(logp.tolist(), logp_ref.tolist())],
-                                             rel=1e-12, abs=1e-12)
+        assert got.tolist() == pytest.approx(
+            [formula(a, b) for a, b in zip(logp.tolist(), logp_ref.tolist())], rel=1e-12, abs=1e-12
+        )
     assert (grpo.kl_penalty(logp, logp_ref, "k3") >= 0).all() and (grpo.kl_penalty(logp, logp_ref, "k1") < 0).any()
 
 
@@ -125,12 +137,15 @@ def test_k3_and_k1_are_unbiased_on_samples_from_the_policy():
 # ---------------------------------------------------------------- the clipped surrogate with two epsilons
 
 
-@pytest.mark.parametrize("ratio,advantage,objective", [
-    (1.35, 2.0, 1.25 * 2.0),   # above 1 + eps_high: clipped there, no gradient
-    (1.22, 2.0, 1.22 * 2.0),   # inside [0.8, 1.25]: not clipped, though 1.22 > 1 + eps_low
-    (0.60, -2.0, 0.8 * -2.0),  # below 1 - eps_low with a negative advantage: clipped
-    (1.35, -2.0, 1.35 * -2.0), # moved the wrong way: the full gradient pushes it back, whatever the epsilons
-])
+@pytest.mark.parametrize(
+    "ratio,advantage,objective",
+    [
+        (1.35, 2.0, 1.25 * 2.0),  # above 1 + eps_high: clipped there, no gradient
+        (1.22, 2.0, 1.22 * 2.0),  # inside [0.8, 1.25]: not clipped, though 1.22 > 1 + eps_low
+        (0.60, -2.0, 0.8 * -2.0),  # below 1 - eps_low with a negative advantage: clipped
+        (1.35, -2.0, 1.35 * -2.0),  # moved the wrong way: the full gradient pushes it back, whatever the epsilons
+    ],
+)
 def test_clip_higher(ratio, advantage, objective):
     logp_old = torch.tensor([-1.0], dtype=torch.float64)
     logp = (logp_old + math.log(ratio)).requires_grad_(True)
@@ -157,13 +172,18 @@ def test_kl_coef_zero_loads_no_reference():
     assert not any(p.requires_grad for p in ref_policy.parameters())
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(num_generations=1), "--num_generations must be at least 2"),
-    (dict(rollout_batch_size=4, num_generations=6, minibatch_size=16),
-     "must divide the 24 responses per iteration"),
-    (dict(clip_range_high=0.0), "--clip_range_high must be positive"),
-    (dict(kl_coef=-1.0), "--kl_coef must be zero or more"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(num_generations=1), "--num_generations must be at least 2"),
+        (
+            dict(rollout_batch_size=4, num_generations=6, minibatch_size=16),
+            "must divide the 24 responses per iteration",
+        ),
+        (dict(clip_range_high=0.0), "--clip_range_high must be positive"),
+        (dict(kl_coef=-1.0), "--kl_coef must be zero or more"),
+    ],
+)
 def test_bad_arguments(kw, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
         grpo.validate(args_with(output_dir=str(tmp_path / "run"), **kw))
@@ -171,14 +191,29 @@ def test_bad_arguments(kw, message, tmp_path):
 
 def run_grpo(tmp_path, *extra):
     out = tmp_path / "run"
-    rows, _ = run_script("grpo.py", out, "--total_episodes", "64", "--rollout_batch_size", "4",
-                         "--num_generations", "8", "--minibatch_size", "16", "--micro_batch_size", "8", *extra)
+    rows, _ = run_script(
+        "grpo.py",
+        out,
+        "--total_episodes",
+        "64",
+        "--rollout_batch_size",
+        "4",
+        "--num_generations",
+        "8",
+        "--minibatch_size",
+        "16",
+        "--micro_batch_size",
+        "8",
+        *extra,
+    )
     return out, rows
 
 
 def moved(out):
-    trained, start = (AutoModelForCausalLM.from_pretrained(out),
-                      AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")))
+    trained, start = (
+        AutoModelForCausalLM.from_pretrained(out),
+        AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")),
+    )
     return sum((a - b).abs().sum().item() for a, b in zip(trained.parameters(), start.parameters()))
 
 
@@ -188,9 +223,18 @@ def test_smoke_run_on_embedded_default(tmp_path):
     # SFT: greedy beats sampling
     assert 0.0 <= rows[0]["eval/score"] <= 1.0 and rows[0]["eval/score_greedy"] > rows[0]["eval/score"]
     for r in rows[1:]:
-        for key in ("objective/score", "objective/accuracy", "objective/kl", "objective/group_reward_std",
-                    "adv/zero_signal_fraction", "policy/entropy", "policy/clipfrac", "policy/kl_term",
-                    "response/length", "grad_norm/policy"):
+        for key in (
+            "objective/score",
+            "objective/accuracy",
+            "objective/kl",
+            "objective/group_reward_std",
+            "adv/zero_signal_fraction",
+            "policy/entropy",
+            "policy/clipfrac",
+            "policy/kl_term",
+            "response/length",
+            "grad_norm/policy",
+        ):
             assert math.isfinite(r[key]), key
         # the rule alone: the score is the exact-match accuracy
         assert r["objective/score"] == r["objective/accuracy"]

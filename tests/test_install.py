@@ -1,5 +1,6 @@
 """The fresh-install regression: no folder of this project may share an import name with an installed
 distribution (transformers 5.25 imports Hugging Face's `kernels`, which a local `kernels/` once shadowed)."""
+
 import importlib.metadata
 import os
 import subprocess
@@ -24,10 +25,14 @@ def test_transformers_hub_kernels_and_ppo_import_together():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("Hugging Face's kernels is not installed (transformers before 5.25 does not require it)")
     # From the project root, where a local kernels/ would come first on sys.path.
-    code = ("import transformers.integrations.hub_kernels, ppo, kernels; from kernels import Mode; "
-            "print(os.path.dirname(os.path.abspath(kernels.__file__)))")
-    result = subprocess.run([sys.executable, "-c", "import os; " + code], cwd=ROOT, capture_output=True, text=True,
-                            timeout=300)
+    code = (
+        "import transformers.integrations.hub_kernels, ppo, kernels; from kernels import Mode; "
+        "print(os.path.dirname(os.path.abspath(kernels.__file__)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", "import os; " + code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == str(hub_kernels.locate_file("kernels")), (
-        f"'kernels' was not the installed distribution: {result.stdout}")
+        f"'kernels' was not the installed distribution: {result.stdout}"
+    )

@@ -1,5 +1,6 @@
 """rlhf_kernels.token_logprobs against an fp64 torch reference, on the torch path and on the Triton path
 (under TRITON_INTERPRET=1 on CPU, set by conftest.py). Shapes are kept small: the interpreter is slow."""
+
 import importlib.util
 import os
 
@@ -350,8 +351,9 @@ def test_entropy_large_vocab_high_temperature(backend, dtype):
 COMPILED_CUDA = torch.cuda.is_available() and HAS_TRITON and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-@pytest.mark.skipif(not COMPILED_CUDA,
-                    reason="needs a GPU and compiled Triton: TRITON_INTERPRET=0 python -m pytest -k cuda")
+@pytest.mark.skipif(
+    not COMPILED_CUDA, reason="needs a GPU and compiled Triton: TRITON_INTERPRET=0 python -m pytest -k cuda"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("V,temperature", [(32768, 1.0), (151936, 0.7)])
 def test_cuda_compiled_kernel_matches_fp64(dtype, V, temperature):

@@ -2,16 +2,17 @@
 its adapters off and holds no weights of its own; training moves only the adapters (and the critic's head); the merged
 save equals the base plus (alpha / r) B A computed by hand from the adapters-only save, and loads with
 from_pretrained."""
+
 import json
 import os
 
 import pytest
 import torch
+from helpers import ROOT, run_script
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import ppo
-from helpers import ROOT, run_script
 
 POLICY = os.path.join(ROOT, "assets", "tiny-sft")
 LORA = ["--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
@@ -22,8 +23,9 @@ def test_the_reference_is_the_base_with_the_adapters_off():
     policy = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=True)
     reference = ppo.load_reference(args, policy, "cpu")
     assert list(reference.parameters()) == []  # no second copy of the weights
-    assert ({n for n, p in policy.named_parameters() if p.requires_grad}
-            == {n for n, _ in policy.named_parameters() if "lora_" in n})
+    assert {n for n, p in policy.named_parameters() if p.requires_grad} == {
+        n for n, _ in policy.named_parameters() if "lora_" in n
+    }
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:  # B starts at zero (adapters on = off); give it something to switch off
@@ -68,8 +70,23 @@ def test_adapter_dropout_acts_in_the_update_only():
 def test_a_run_with_adapter_dropout_trains_with_it(tmp_path):
     """In a run, the first minibatch's ratio equals 1 exactly without --lora_dropout and only on average with it, once
     the adapters are away from their zero start (the second iteration)."""
-    args = [*LORA, "--total_episodes", "32", "--rollout_batch_size", "2", "--num_generations", "8",
-            "--minibatch_size", "16", "--micro_batch_size", "16", "--response_length", "8", "--eval_every", "0"]
+    args = [
+        *LORA,
+        "--total_episodes",
+        "32",
+        "--rollout_batch_size",
+        "2",
+        "--num_generations",
+        "8",
+        "--minibatch_size",
+        "16",
+        "--micro_batch_size",
+        "16",
+        "--response_length",
+        "8",
+        "--eval_every",
+        "0",
+    ]
     without, _ = run_script("grpo.py", tmp_path / "without", *args)
     with_dropout, _ = run_script("grpo.py", tmp_path / "with", *args, "--lora_dropout", "0.3")
     assert without[-1]["policy/first_ratio_dev"] < 1e-5 < with_dropout[-1]["policy/first_ratio_dev"]
@@ -82,9 +99,26 @@ def ppo_runs(tmp_path_factory):
     out = {}
     for kind, extra in (("merged", []), ("adapters", ["--save_adapters_only"])):
         out[kind] = tmp_path_factory.mktemp(kind)
-        run_script("ppo.py", out[kind], *LORA, *extra, "--total_episodes", "32", "--rollout_batch_size", "16",
-                   "--minibatch_size", "8", "--micro_batch_size", "8", "--num_epochs", "1", "--response_length", "8",
-                   "--eval_every", "0")
+        run_script(
+            "ppo.py",
+            out[kind],
+            *LORA,
+            *extra,
+            "--total_episodes",
+            "32",
+            "--rollout_batch_size",
+            "16",
+            "--minibatch_size",
+            "8",
+            "--micro_batch_size",
+            "8",
+            "--num_epochs",
+            "1",
+            "--response_length",
+            "8",
+            "--eval_every",
+            "0",
+        )
     return out
 
 
@@ -110,9 +144,25 @@ def test_the_merged_save_is_the_base_plus_the_scaled_adapters(ppo_runs):
 
 def test_rloo_with_lora_starts_at_the_reference(tmp_path):
     """The adapters start at zero, so at the first iteration the policy is its reference: the KL is 0 up to rounding."""
-    rows, _ = run_script("rloo.py", tmp_path, *LORA, "--total_episodes", "16", "--rollout_batch_size", "2",
-                         "--num_generations", "4", "--minibatch_size", "8", "--micro_batch_size", "8",
-                         "--response_length", "8", "--eval_every", "0")
+    rows, _ = run_script(
+        "rloo.py",
+        tmp_path,
+        *LORA,
+        "--total_episodes",
+        "16",
+        "--rollout_batch_size",
+        "2",
+        "--num_generations",
+        "4",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "8",
+        "--response_length",
+        "8",
+        "--eval_every",
+        "0",
+    )
     assert abs(rows[0]["objective/kl"]) < 1e-5 and rows[0]["objective/kl"] != rows[1]["objective/kl"]
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path)).config.architectures == ["LlamaForCausalLM"]
 

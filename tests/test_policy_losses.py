@@ -1,18 +1,19 @@
 """grpo.py's and rloo.py's --policy_loss gspo and cispo against plain float64 computations written from the papers'
 equations (values, gradients by hand, clip fractions, with padding); several weighted rule rewards against a hand
 computation and against one function returning their sum; and --mask_truncated, in all three scripts."""
+
 import hashlib
 import math
 import os
 
 import pytest
 import torch
+from helpers import ROOT, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
 import ppo
 import rloo
-from helpers import ROOT, run_script
 
 LENGTHS = [7, 3, 5, 1, 6, 4]  # responses of a rollout, right-padded to 7
 ADVANTAGES = [1.5, -0.7, 0.4, -2.0, 0.9, -0.3]
@@ -102,9 +103,11 @@ def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient(module):
 @pytest.mark.parametrize("module", [grpo, rloo])
 def test_surrogate_picks_the_loss_and_clip_is_todays_loss(module):
     new, old, adv, mask = ragged(seed=4)
-    for kind, expected in (("clip", module.policy_loss(new, old, adv, 0.1, 0.2)),
-                           ("gspo", module.gspo_loss(new, old, adv, mask, 0.1, 0.2)),
-                           ("cispo", module.cispo_loss(new, old, adv, 0.1, 0.2))):
+    for kind, expected in (
+        ("clip", module.policy_loss(new, old, adv, 0.1, 0.2)),
+        ("gspo", module.gspo_loss(new, old, adv, mask, 0.1, 0.2)),
+        ("cispo", module.cispo_loss(new, old, adv, 0.1, 0.2)),
+    ):
         for got, want in zip(module.surrogate(kind, new, old, adv, mask, 0.1, 0.2), expected):
             assert torch.equal(got, want), kind
     # every ratio 1 (the first minibatch of a rollout): each loss is -A per token, or -A log pi (CISPO)
@@ -115,10 +118,24 @@ def test_surrogate_picks_the_loss_and_clip_is_todays_loss(module):
 
 # ---------------------------------------------------------------- the losses in a run, on the embedded task
 
-TINY = ["--total_episodes", "64", "--rollout_batch_size", "4", "--num_generations", "8", "--minibatch_size", "16",
-        "--micro_batch_size", "8", "--eval_every", "0"]
-PAPERS = {"gspo": ["--loss_aggregation", "sequence_mean", "--clip_range_low", "3e-4", "--clip_range_high", "4e-4"],
-          "cispo": ["--clip_range_low", "1"]}
+TINY = [
+    "--total_episodes",
+    "64",
+    "--rollout_batch_size",
+    "4",
+    "--num_generations",
+    "8",
+    "--minibatch_size",
+    "16",
+    "--micro_batch_size",
+    "8",
+    "--eval_every",
+    "0",
+]
+PAPERS = {
+    "gspo": ["--loss_aggregation", "sequence_mean", "--clip_range_low", "3e-4", "--clip_range_high", "4e-4"],
+    "cispo": ["--clip_range_low", "1"],
+}
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
@@ -162,9 +179,16 @@ def scored(tmp_path, specs, weights=()):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
     fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}")) for spec in specs]
     args = ppo.Args(reward_fn=tuple(specs), reward_weights=weights)
-    return ppo.score_responses([], fns, tokenizer, torch.cat([prompt_ids, responses], 1),
-                               torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
-                               [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)], args)
+    return ppo.score_responses(
+        [],
+        fns,
+        tokenizer,
+        torch.cat([prompt_ids, responses], 1),
+        torch.cat([prompt_mask, response_mask], 1),
+        prompt_ids.shape[1],
+        [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)],
+        args,
+    )
 
 
 def test_two_weighted_rules_give_their_weighted_sum(tmp_path):
@@ -180,15 +204,21 @@ def test_two_weighted_rules_give_their_weighted_sum(tmp_path):
 
 
 def test_a_failing_rule_among_several_is_named(tmp_path):
-    with pytest.raises(SystemExit, match=r"the response '18' to the prompt '9\+9=' is an error \(ZeroDivisionError: "
-                                         r"float division by zero\) \(--reward_fn broken\)"):
+    with pytest.raises(
+        SystemExit,
+        match=r"the response '18' to the prompt '9\+9=' is an error \(ZeroDivisionError: "
+        r"float division by zero\) \(--reward_fn broken\)",
+    ):
         scored(tmp_path, ["correct", "broken"])
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0,)), "--reward_weights needs one weight per"),
-    (dict(reward_fn=("arithmetic", "a.py:arithmetic")), "--reward_fn must name each function once"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0,)), "--reward_weights needs one weight per"),
+        (dict(reward_fn=("arithmetic", "a.py:arithmetic")), "--reward_fn must name each function once"),
+    ],
+)
 def test_bad_weights_or_names_stop_before_any_model_loads(kw, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
         grpo.validate(grpo.Args(output_dir=str(tmp_path / "run"), **kw))
@@ -205,8 +235,17 @@ def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
     held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:12]))
     common = [*TINY, "--total_episodes", "96", "--eval_every", "2", "--eval_dataset", str(held_out)]
     rules = tmp_path / "rules.py"
-    two, _ = run_script("grpo.py", tmp_path / "two", *common, "--reward_fn", f"{rules}:correct", f"{rules}:short",
-                        "--reward_weights", "1", "0.5")
+    two, _ = run_script(
+        "grpo.py",
+        tmp_path / "two",
+        *common,
+        "--reward_fn",
+        f"{rules}:correct",
+        f"{rules}:short",
+        "--reward_weights",
+        "1",
+        "0.5",
+    )
     one, _ = run_script("grpo.py", tmp_path / "one", *common, "--reward_fn", f"{rules}:both")
 
     def kept(rows):
@@ -220,6 +259,7 @@ def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
 
 
 # ---------------------------------------------------------------- --mask_truncated
+
 
 def test_a_truncated_responses_gradient_is_exactly_zero():
     """grpo's training loss as main builds it, on two responses of the tiny policy, the second cut off without a
@@ -241,8 +281,9 @@ def test_a_truncated_responses_gradient_is_exactly_zero():
     for mask_truncated, expected in ((True, [True, False]), (False, [True, True])):
         train_mask = response_mask * (has_eos | (not mask_truncated))[:, None]  # as in the scripts' step 3
         logprobs = grpo.response_logprobs(policy, input_ids, attention_mask, P, 1.0)
-        pg_loss, _, _ = grpo.surrogate("clip", logprobs, logprobs.detach() - 0.01, torch.tensor([[1.0], [-1.0]]),
-                                       train_mask.float(), 0.2, 0.2)
+        pg_loss, _, _ = grpo.surrogate(
+            "clip", logprobs, logprobs.detach() - 0.01, torch.tensor([[1.0], [-1.0]]), train_mask.float(), 0.2, 0.2
+        )
         weights = grpo.loss_weights(train_mask.float(), "token_mean", 4, 2, train_mask.sum().item())
         (pg_loss * weights).sum().backward()
         grad = embedded[-1].grad  # (2, 6, H)
@@ -251,8 +292,10 @@ def test_a_truncated_responses_gradient_is_exactly_zero():
 
 
 def moved(out):
-    trained, start = (AutoModelForCausalLM.from_pretrained(out),
-                      AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")))
+    trained, start = (
+        AutoModelForCausalLM.from_pretrained(out),
+        AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")),
+    )
     return sum((a - b).abs().sum().item() for a, b in zip(trained.parameters(), start.parameters()))
 
 
@@ -261,10 +304,24 @@ def test_a_rollout_cut_off_everywhere_takes_no_step_and_says_so(script, tmp_path
     """One token per response: none of these reaches its stop token. With --mask_truncated nothing is left in the
     loss, so no optimiser step is taken (the policy does not move) and the line says so; without it the same run
     moves the policy (the entropy bonus alone would)."""
-    sizes = (["--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8"] if script == "ppo.py"
-             else ["--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8"])
-    common = [*sizes, "--total_episodes", "8", "--response_length", "1", "--ent_coef", "0.01", "--eval_every", "0",
-              "--num_epochs", "1"]
+    sizes = (
+        ["--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8"]
+        if script == "ppo.py"
+        else ["--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8"]
+    )
+    common = [
+        *sizes,
+        "--total_episodes",
+        "8",
+        "--response_length",
+        "1",
+        "--ent_coef",
+        "0.01",
+        "--eval_every",
+        "0",
+        "--num_epochs",
+        "1",
+    ]
     rows, printed = run_script(script, tmp_path / "masked", *common, "--mask_truncated")
     assert rows[-1]["response/eos_rate"] == 0.0 and rows[-1]["response/truncated_left_out"] == 1.0
     assert "no optimiser step: every response was left out of the loss" in printed

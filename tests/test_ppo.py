@@ -1,25 +1,41 @@
 """ppo.py against independent references: plain loops, hand computations and the specification's worked examples
 (the four-case clipping table, the KL example)."""
+
 import json
 import math
 import os
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          LlamaForSequenceClassification)
+from helpers import assert_static_decode_matches_dynamic, run_script
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
 
 import ppo
-from helpers import assert_static_decode_matches_dynamic, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAD, EOS = 0, 1
 
 
 def tiny_config(**kw):
-    return LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, eos_token_id=EOS,
-                       bos_token_id=None, **kw)
+    return LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        **kw,
+    )
 
 
 def prefix_mask(lengths, T):
@@ -48,8 +64,9 @@ def test_gae_matches_plain_loop(B, T, gamma, lam):
     for b, n in enumerate(lengths):
         expected = gae_loop(rewards[b, :n].tolist(), values[b, :n].tolist(), gamma, lam)
         assert advantages[b, :n].tolist() == pytest.approx(expected, rel=1e-10, abs=1e-10)
-        assert returns[b, :n].tolist() == pytest.approx([a + v for a, v in zip(expected, values[b, :n].tolist())],
-                                                        abs=1e-10)
+        assert returns[b, :n].tolist() == pytest.approx(
+            [a + v for a, v in zip(expected, values[b, :n].tolist())], abs=1e-10
+        )
         # whatever lies in the padding must not leak into the answer or be produced there
         assert advantages[b, n:].abs().sum() == 0 and returns[b, n:].abs().sum() == 0
 
@@ -95,8 +112,9 @@ def test_whitening_is_masked_and_per_batch():
 )
 def test_four_case_clipping_table(ratio, advantage, objective, has_gradient):
     logprobs = torch.tensor([math.log(ratio)], dtype=torch.float64, requires_grad=True)
-    loss, rho, clipped = ppo.policy_loss(logprobs, torch.zeros(1, dtype=torch.float64),
-                                         torch.tensor([advantage], dtype=torch.float64), 0.2, 0.2)
+    loss, rho, clipped = ppo.policy_loss(
+        logprobs, torch.zeros(1, dtype=torch.float64), torch.tensor([advantage], dtype=torch.float64), 0.2, 0.2
+    )
     assert -loss.item() == pytest.approx(objective, abs=1e-12)
     loss.sum().backward()
     if has_gradient:  # d(rho A)/d logp = rho A, the unclipped term's gradient
@@ -125,8 +143,9 @@ def test_value_loss_clipped_by_hand():
 def net_objective(score, n_tokens, mean_log_ratio, beta):
     mask = torch.ones(1, n_tokens, dtype=torch.float64)
     logprobs_old = torch.full((1, n_tokens), mean_log_ratio, dtype=torch.float64)
-    rewards, kl = ppo.per_token_rewards(torch.tensor([score], dtype=torch.float64), logprobs_old,
-                                        torch.zeros_like(logprobs_old), mask, beta)
+    rewards, kl = ppo.per_token_rewards(
+        torch.tensor([score], dtype=torch.float64), logprobs_old, torch.zeros_like(logprobs_old), mask, beta
+    )
     # the tax on every token
     assert rewards[0, :-1].tolist() == pytest.approx([-beta * mean_log_ratio] * (n_tokens - 1))
     return rewards.sum().item(), kl.sum().item()
@@ -167,29 +186,48 @@ def test_adaptive_kl_controller():
 
 def test_running_moments_match_whole_stream():
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randn(n, generator=g, dtype=torch.float64) * s + m
-               for n, s, m in [(7, 1, 0), (64, 3, 2), (1, 1, 5), (30, 0.5, -1)]]
+    batches = [
+        torch.randn(n, generator=g, dtype=torch.float64) * s + m
+        for n, s, m in [(7, 1, 0), (64, 3, 2), (1, 1, 5), (30, 0.5, -1)]
+    ]
     mean, var, count = 0.0, 1.0, 0.0
     for i, b in enumerate(batches):
         mean, var, count = ppo.update_moments(mean, var, count, b.mean().item(), b.var(unbiased=False).item(), len(b))
         seen = torch.cat(batches[: i + 1])
-        assert (mean, var, count) == pytest.approx((seen.mean().item(), seen.var(unbiased=False).item(), len(seen)),
-                                                   rel=1e-10)
+        assert (mean, var, count) == pytest.approx(
+            (seen.mean().item(), seen.var(unbiased=False).item(), len(seen)), rel=1e-10
+        )
 
 
 def test_failure_alarms_fire_on_their_signatures():
     state = dict(first_entropy=None, first_distinct2=None, first_value_loss=None, value_loss_ema=None)
     args = ppo.Args()
-    healthy = {"iteration": 1, "objective/kl": 3.0, "policy/clipfrac": 0.05, "policy/entropy": 1.8,
-               "response/distinct2": 0.5, "val/loss": 1.0}
+    healthy = {
+        "iteration": 1,
+        "objective/kl": 3.0,
+        "policy/clipfrac": 0.05,
+        "policy/entropy": 1.8,
+        "response/distinct2": 0.5,
+        "val/loss": 1.0,
+    }
     assert not any(ppo.failure_alarms(healthy, state, args).values())
     for i in range(2, 12):  # a falling value loss is healthy
         assert not any(ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 0.5}, state, args).values())
-    sick = {"iteration": 12, "objective/kl": 25.0, "policy/clipfrac": 0.4, "policy/entropy": 0.8,
-            "response/distinct2": 0.2, "val/loss": 0.5}
-    assert ppo.failure_alarms(sick, state, args) == {"kl_explosion": True, "clip_fraction": True,
-                                                     "entropy_collapse": True, "value_divergence": False,
-                                                     "diversity_collapse": True}
+    sick = {
+        "iteration": 12,
+        "objective/kl": 25.0,
+        "policy/clipfrac": 0.4,
+        "policy/entropy": 0.8,
+        "response/distinct2": 0.2,
+        "val/loss": 0.5,
+    }
+    assert ppo.failure_alarms(sick, state, args) == {
+        "kl_explosion": True,
+        "clip_fraction": True,
+        "entropy_collapse": True,
+        "value_divergence": False,
+        "diversity_collapse": True,
+    }
     for i in range(13, 40):  # a value loss that climbs past where it started
         fired = ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 3.0}, state, args)
     assert fired["value_divergence"] and not fired["kl_explosion"]
@@ -214,8 +252,10 @@ def test_arithmetic_reward():
 
 def test_gsm8k_reward_reads_the_last_number_against_the_answer_after_hashes():
     # The first GSM8K training answer: intermediate numbers in the calculator annotations, the final one after '####'.
-    answer = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-              "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+    answer = (
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+        "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+    )
     responses = [
         "In May she sold 48 / 2 = 24, so 48 + 24 = 72 clips in all. The answer is 72.",  # last number 72: right
         "She sold 72 clips in April and May, 24 of them in May.",  # 72 appears, but the last number is 24: wrong
@@ -288,8 +328,9 @@ def test_sampling_follows_the_tempered_softmax():
     prompt_ids, prompt_mask = left_padded_prompts([4], 40, seed=3)
     n = 20_000
     uniforms = torch.rand(n, 1, generator=torch.Generator().manual_seed(4))
-    tokens = ppo.generate(policy, prompt_ids.expand(n, -1), prompt_mask.expand(n, -1), 1, 0.7, EOS, PAD,
-                          uniforms)[0][:, 0]
+    tokens = ppo.generate(policy, prompt_ids.expand(n, -1), prompt_mask.expand(n, -1), 1, 0.7, EOS, PAD, uniforms)[0][
+        :, 0
+    ]
     with torch.no_grad():
         probs = torch.softmax(policy(input_ids=prompt_ids).logits[0, -1].double() / 0.7, -1)
     frequency = torch.bincount(tokens, minlength=len(probs)).double() / n
@@ -308,8 +349,17 @@ def test_a_response_does_not_depend_on_its_batch(decode):
     together = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, EOS, PAD, uniforms, decode)
     for b in range(6):
         width = int(prompt_mask[b].sum())
-        alone = ppo.generate(policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], 10, 0.7, EOS,
-                             PAD, uniforms[b : b + 1], decode)
+        alone = ppo.generate(
+            policy,
+            prompt_ids[b : b + 1, -width:],
+            prompt_mask[b : b + 1, -width:],
+            10,
+            0.7,
+            EOS,
+            PAD,
+            uniforms[b : b + 1],
+            decode,
+        )
         n = alone[0].shape[1]
         assert torch.equal(alone[0][0], together[0][b, :n]) and (together[2][b, n:] == 0).all()
         torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=1e-5, rtol=1e-5)
@@ -328,10 +378,12 @@ def test_static_decode_samples_what_the_dynamic_loop_samples():
     prompt_ids, prompt_mask = left_padded_prompts([3, 17, 9, 24, 1, 12, 20, 5], len(tokenizer), seed=3)
     uniforms = torch.rand(8, 24, generator=torch.Generator().manual_seed(3))
     for temperature in (0.7, 1.0):
-        expected = ppo.generate(policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id,
-                                uniforms)
-        got = ppo.generate(policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id,
-                           uniforms, "static")
+        expected = ppo.generate(
+            policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id, uniforms
+        )
+        got = ppo.generate(
+            policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id, uniforms, "static"
+        )
         assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
         torch.testing.assert_close(got[1], expected[1], atol=2e-5, rtol=0)
 
@@ -355,14 +407,16 @@ def test_response_logprobs_equal_plain_torch():
     P = 3
     with torch.no_grad():
         logp, entropy = ppo.response_logprobs(policy, input_ids, attention_mask, P, 0.7, return_entropy=True)
-        logits = policy(input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=ppo.position_ids_from(attention_mask)).logits.double()
+        logits = policy(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+        ).logits.double()
         plain = torch.log_softmax(logits[:, P - 1 : -1] / 0.7, -1)
     valid = attention_mask[:, P:].bool()  # positions past a row's end (here: its left padding) are exactly 0
     expected = torch.where(valid, plain.gather(-1, input_ids[:, P:, None]).squeeze(-1), 0.0)
     torch.testing.assert_close(logp.double(), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy.double(), torch.where(valid, -(plain.exp() * plain).sum(-1), 0.0),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        entropy.double(), torch.where(valid, -(plain.exp() * plain).sum(-1), 0.0), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_reward_head_is_padding_invariant():
@@ -390,9 +444,11 @@ def write_tiny_models(tmp_path):
 
 
 def args_with(**kw):
-    defaults = dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft"),
-                    reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
-                    dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"))
+    defaults = dict(
+        model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft"),
+        reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
+        dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"),
+    )
     return ppo.Args(**{**defaults, **kw})
 
 
@@ -425,8 +481,9 @@ def test_bad_datasets(tmp_path):
     tokenizer = write_tiny_models(tmp_path)
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "wrong.jsonl").write_text(json.dumps({"text": "the food was"}) + "\n")
-    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "the food was " * 20}) + "\n"
-                                         + json.dumps({"prompt": "the plot was"}) + "\n")
+    (tmp_path / "long.jsonl").write_text(
+        json.dumps({"prompt": "the food was " * 20}) + "\n" + json.dumps({"prompt": "the plot was"}) + "\n"
+    )
     with pytest.raises(SystemExit, match="does not exist"):
         ppo.load_prompts(str(tmp_path / "missing.jsonl"), "train", args_with(), tokenizer)
     with pytest.raises(SystemExit, match="empty"):
@@ -436,23 +493,30 @@ def test_bad_datasets(tmp_path):
     with pytest.raises(SystemExit, match="longer than --max_prompt_length 16"):
         ppo.load_prompts(str(tmp_path / "long.jsonl"), "train", args_with(max_prompt_length=16), tokenizer)
     with pytest.warns(UserWarning, match="cut to their last 16 tokens"):
-        prompts, _ = ppo.load_prompts(str(tmp_path / "long.jsonl"), "train",
-                                      args_with(max_prompt_length=16, truncate_prompts=True), tokenizer)
+        prompts, _ = ppo.load_prompts(
+            str(tmp_path / "long.jsonl"), "train", args_with(max_prompt_length=16, truncate_prompts=True), tokenizer
+        )
     full = tokenizer("the food was " * 20, add_special_tokens=False)["input_ids"]
     assert prompts[0] == full[-16:] and prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="needs an answer column"):
-        ppo.load_prompts(str(tmp_path / "long.jsonl"), "train",
-                         args_with(reward_fn=("arithmetic",), max_prompt_length=200), tokenizer)
-    (tmp_path / "broken.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n\n"
-                                           + '{"prompt": "the plot was"' + "\n")
+        ppo.load_prompts(
+            str(tmp_path / "long.jsonl"),
+            "train",
+            args_with(reward_fn=("arithmetic",), max_prompt_length=200),
+            tokenizer,
+        )
+    (tmp_path / "broken.jsonl").write_text(
+        json.dumps({"prompt": "the food was"}) + "\n\n" + '{"prompt": "the plot was"' + "\n"
+    )
     with pytest.raises(SystemExit, match="line 3 of '.*broken.jsonl' is not valid JSON"):
         ppo.load_prompts(str(tmp_path / "broken.jsonl"), "train", args_with(), tokenizer)
     (tmp_path / "number.jsonl").write_text(json.dumps({"prompt": 12}) + "\n")
     with pytest.raises(SystemExit, match="row 1 of .* has a int as its prompt"):
         ppo.load_prompts(str(tmp_path / "number.jsonl"), "train", args_with(), tokenizer)
     # HF_HUB_OFFLINE=1 (conftest): a hub dataset cannot be fetched, and the error says so instead of a traceback
-    with pytest.raises(SystemExit, match="hub dataset 'someone/reviews' could not be loaded .*; check its name, "
-                                         "the split 'train'"):
+    with pytest.raises(
+        SystemExit, match="hub dataset 'someone/reviews' could not be loaded .*; check its name, the split 'train'"
+    ):
         ppo.load_prompts("someone/reviews", "train", args_with(), tokenizer)
 
 
@@ -461,9 +525,23 @@ def test_bad_datasets(tmp_path):
 
 def run_ppo(tmp_path, *extra):
     out = tmp_path / "run"
-    rows, output = run_script("ppo.py", out, "--total_episodes", "16", "--rollout_batch_size", "8",
-                              "--minibatch_size", "4", "--micro_batch_size", "2", "--num_epochs", "2",
-                              "--response_length", "8", *extra)
+    rows, output = run_script(
+        "ppo.py",
+        out,
+        "--total_episodes",
+        "16",
+        "--rollout_batch_size",
+        "8",
+        "--minibatch_size",
+        "4",
+        "--micro_batch_size",
+        "2",
+        "--num_epochs",
+        "2",
+        "--response_length",
+        "8",
+        *extra,
+    )
     return out, rows, output
 
 
@@ -475,9 +553,20 @@ def test_smoke_run_on_embedded_default(tmp_path):
     assert -5 < rows[0]["eval/score"] < 5 and -5 < rows[0]["eval/score_greedy"] < 5
     rows = rows[1:]
     for r in rows:
-        for key in ("objective/score", "objective/kl", "objective/kl_coef", "policy/entropy", "policy/clipfrac",
-                    "policy/approx_kl", "val/loss", "val/explained_variance", "response/length", "response/eos_rate",
-                    "response/distinct2", "time/tokens_per_second"):
+        for key in (
+            "objective/score",
+            "objective/kl",
+            "objective/kl_coef",
+            "policy/entropy",
+            "policy/clipfrac",
+            "policy/approx_kl",
+            "val/loss",
+            "val/explained_variance",
+            "response/length",
+            "response/eos_rate",
+            "response/distinct2",
+            "time/tokens_per_second",
+        ):
             assert math.isfinite(r[key]), key
         assert 1 <= r["response/length"] <= 8 and 0 <= r["response/eos_rate"] <= 1
         # logprobs_old were recorded at sampling time, so before any update the ratio is 1
@@ -493,12 +582,22 @@ def test_smoke_run_on_embedded_default(tmp_path):
 
 def test_smoke_run_with_rule_reward(tmp_path):
     # --hub_kernels too: on a CPU transformers has no hub kernel to swap in, so it must run offline all the same
-    out, rows, _ = run_ppo(tmp_path, "--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic",
-                           "--reward_model_path", "--hub_kernels")
+    out, rows, _ = run_ppo(
+        tmp_path,
+        "--dataset",
+        "assets/arithmetic/train.jsonl",
+        "--reward_fn",
+        "arithmetic",
+        "--reward_model_path",
+        "--hub_kernels",
+    )
     assert all(0.0 <= r["objective/score"] <= 1.0 for r in rows[1:])  # an exact-match reward, no reward model
     # the held-out score of a rule reward is an accuracy over the 400 test prompts
-    assert all(0.0 <= rows[i][k] <= 1.0 and rows[i][k] * 400 == pytest.approx(round(rows[i][k] * 400))
-               for i in (0, -1) for k in ("eval/score", "eval/score_greedy"))
+    assert all(
+        0.0 <= rows[i][k] <= 1.0 and rows[i][k] * 400 == pytest.approx(round(rows[i][k] * 400))
+        for i in (0, -1)
+        for k in ("eval/score", "eval/score_greedy")
+    )
     args = json.loads((out / "args.json").read_text())
     # the critic starts from the policy when there is no reward model (the embedded one, found beside the script)
     assert args["value_model_path"] == args["model_name_or_path"] == os.path.join(ROOT, "assets", "tiny-sft")
@@ -525,10 +624,13 @@ def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
 
 def test_held_out_dataset_defaults_to_the_test_split_beside_the_training_file(tmp_path):
     arithmetic = os.path.join(ROOT, "assets", "arithmetic")
-    assert (ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl")))
-            == os.path.join(arithmetic, "test.jsonl"))
-    assert (ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"), eval_dataset="x.jsonl"))
-            == "x.jsonl")
+    assert ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"))) == os.path.join(
+        arithmetic, "test.jsonl"
+    )
+    assert (
+        ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"), eval_dataset="x.jsonl"))
+        == "x.jsonl"
+    )
     assert ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"), eval_every=0)) is None
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n")
     # no train/test layout: no evaluation
@@ -548,8 +650,9 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
     input_ids, attention_mask = left_padded_prompts([5, 9, 7], 40, seed=5)
     values = ppo.head_outputs(critic, input_ids, attention_mask)
     with torch.no_grad():
-        hidden = policy.model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=ppo.position_ids_from(attention_mask)).last_hidden_state
+        hidden = policy.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+        ).last_hidden_state
     torch.testing.assert_close(values, (hidden @ critic.score.weight.T).squeeze(-1), atol=1e-5, rtol=1e-5)
     (values * attention_mask).sum().backward()  # the value loss alone
     assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0 and policy.lm_head.weight.grad is None
@@ -584,12 +687,43 @@ def test_a_run_with_the_static_decode_loop_is_the_same_run(tmp_path):
 
 
 def test_a_run_with_a_shared_backbone(tmp_path):
-    rows, _ = run_script("ppo.py", tmp_path / "shared", "--shared_backbone", "--total_episodes", "16",
-                         "--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "4",
-                         "--num_epochs", "2", "--response_length", "8", "--eval_every", "0")
-    plain, _ = run_script("ppo.py", tmp_path / "plain", "--total_episodes", "16", "--rollout_batch_size", "8",
-                          "--minibatch_size", "8", "--micro_batch_size", "4", "--num_epochs", "2",
-                          "--response_length", "8", "--eval_every", "0")
+    rows, _ = run_script(
+        "ppo.py",
+        tmp_path / "shared",
+        "--shared_backbone",
+        "--total_episodes",
+        "16",
+        "--rollout_batch_size",
+        "8",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "4",
+        "--num_epochs",
+        "2",
+        "--response_length",
+        "8",
+        "--eval_every",
+        "0",
+    )
+    plain, _ = run_script(
+        "ppo.py",
+        tmp_path / "plain",
+        "--total_episodes",
+        "16",
+        "--rollout_batch_size",
+        "8",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "4",
+        "--num_epochs",
+        "2",
+        "--response_length",
+        "8",
+        "--eval_every",
+        "0",
+    )
     assert [r["iteration"] for r in rows] == [1, 2]
     assert rows[0]["val/mean"] == 0.0 and rows[1]["val/loss"] > 0  # the head starts at V = 0 and is trained
     assert "grad_norm/value" in rows[1] and rows[1]["grad_norm/value"] > 0

@@ -1,22 +1,24 @@
 """--gradient_checkpointing and --mixed_precision in one process (shared code, tested through ppo.py's copy): the
 checkpointed model recomputes each block in the backward pass and gets the same gradients as the plain one; mixed
 precision computes in bf16 over float32 master weights; each runs a whole iteration of every script."""
+
 import os
 from dataclasses import replace
 
 import pytest
 import torch
+from helpers import ROOT, run_script
 from transformers import AutoModelForCausalLM
 
 import ppo
-from helpers import ROOT, run_script
 
 POLICY = os.path.join(ROOT, "assets", "tiny-sft")
 
 
 def batch():
-    input_ids, attention_mask = ppo.left_pad([[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1,
-                                             "cpu")
+    input_ids, attention_mask = ppo.left_pad(
+        [[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1, "cpu"
+    )
     return input_ids, attention_mask
 
 
@@ -35,16 +37,16 @@ def loss_and_block_calls(model):
 
 def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient():
     plain = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(), "cpu", trained=True)
-    checkpointed = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(gradient_checkpointing=True), "cpu",
-                                  trained=True)
+    checkpointed = ppo.load_model(
+        AutoModelForCausalLM, POLICY, ppo.Args(gradient_checkpointing=True), "cpu", trained=True
+    )
     grads, plain_calls = loss_and_block_calls(plain)
     grads_checkpointed, checkpointed_calls = loss_and_block_calls(checkpointed)
     assert (plain_calls, checkpointed_calls) == (1, 2)  # the block ran again in the backward pass
     for name in grads:
         torch.testing.assert_close(grads_checkpointed[name], grads[name], atol=1e-6, rtol=1e-5, msg=name)
     # no dropout anywhere
-    assert not any(m.training for m in checkpointed.modules()
-                   if type(m).__name__ not in checkpointed._no_split_modules)
+    assert not any(m.training for m in checkpointed.modules() if type(m).__name__ not in checkpointed._no_split_modules)
 
 
 def test_mixed_precision_computes_in_bf16_over_float32_weights():
@@ -53,11 +55,13 @@ def test_mixed_precision_computes_in_bf16_over_float32_weights():
     frozen = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=False)
     plain = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(), "cpu", trained=True)
     input_ids, attention_mask = batch()
-    logits = policy(input_ids=input_ids, attention_mask=attention_mask,
-                    position_ids=ppo.position_ids_from(attention_mask)).logits
+    logits = policy(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+    ).logits
     assert logits.dtype == torch.bfloat16
-    assert (all(p.dtype == torch.float32 for p in policy.parameters())
-            and all(p.dtype == torch.bfloat16 for p in frozen.parameters()))
+    assert all(p.dtype == torch.float32 for p in policy.parameters()) and all(
+        p.dtype == torch.bfloat16 for p in frozen.parameters()
+    )
     grads, _ = loss_and_block_calls(policy)
     assert all(g.dtype == torch.float32 for g in grads.values())
     # bf16 keeps 8 bits of mantissa (0.4%): the log-probs are float32's to about 1%, and not bitwise (bf16 did run)
@@ -77,12 +81,14 @@ def test_the_static_decode_loop_records_the_training_log_probs_with_the_option(o
     policy = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(**{option: True}), "cpu", trained=True)
     prompt_ids, prompt_mask = batch()
     uniforms = torch.rand(3, 12, generator=torch.Generator().manual_seed(5))
-    responses, logprobs, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, 12, 0.7, torch.tensor([0]),
-                                                      1, uniforms, "static")
+    responses, logprobs, response_mask = ppo.generate(
+        policy, prompt_ids, prompt_mask, 12, 0.7, torch.tensor([0]), 1, uniforms, "static"
+    )
     input_ids = torch.cat([prompt_ids, responses], 1)
     with torch.no_grad():
-        teacher_forced = ppo.response_logprobs(policy, input_ids, torch.cat([prompt_mask, response_mask], 1),
-                                               prompt_ids.shape[1], 0.7)
+        teacher_forced = ppo.response_logprobs(
+            policy, input_ids, torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1], 0.7
+        )
     tolerance = 2e-2 if option == "mixed_precision" else 2e-5
     torch.testing.assert_close(teacher_forced * response_mask, logprobs, atol=tolerance, rtol=tolerance)
 
@@ -93,20 +99,51 @@ def test_mixed_precision_refuses_bf16_master_weights():
 
 
 ONE_ITERATION = {
-    "ppo.py": ["--total_episodes", "8", "--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "4",
-               "--num_epochs", "1"],
-    "grpo.py": ["--total_episodes", "8", "--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8",
-                "--micro_batch_size", "4"],
-    "rloo.py": ["--total_episodes", "8", "--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8",
-                "--micro_batch_size", "4"],
+    "ppo.py": [
+        "--total_episodes",
+        "8",
+        "--rollout_batch_size",
+        "8",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "4",
+        "--num_epochs",
+        "1",
+    ],
+    "grpo.py": [
+        "--total_episodes",
+        "8",
+        "--rollout_batch_size",
+        "2",
+        "--num_generations",
+        "4",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "4",
+    ],
+    "rloo.py": [
+        "--total_episodes",
+        "8",
+        "--rollout_batch_size",
+        "2",
+        "--num_generations",
+        "4",
+        "--minibatch_size",
+        "8",
+        "--micro_batch_size",
+        "4",
+    ],
 }
 
 
 @pytest.mark.parametrize("option", ["--gradient_checkpointing", "--mixed_precision"])
 @pytest.mark.parametrize("script", list(ONE_ITERATION))
 def test_one_iteration_with_the_option(script, option, tmp_path):
-    rows, _ = run_script(script, tmp_path, option, *ONE_ITERATION[script], "--response_length", "8",
-                         "--eval_every", "0")
+    rows, _ = run_script(
+        script, tmp_path, option, *ONE_ITERATION[script], "--response_length", "8", "--eval_every", "0"
+    )
     assert [r["iteration"] for r in rows] == [1]
     assert all(torch.isfinite(torch.tensor(v)) for k, v in rows[0].items() if k.startswith(("policy/", "objective/")))
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path))

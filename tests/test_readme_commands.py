@@ -3,6 +3,7 @@ blocks is parsed by that script's own Args (tyro, as the script does), so a rena
 complete command then passes the script's own argument checks (batch sizes that divide, over torchrun's number of
 processes). Lines with placeholders (<...>, ...) are parsed up to the placeholder only. The hub models they name are
 not loaded (no hub here): the model-path check is the one check left out."""
+
 import importlib
 import os
 import re
@@ -10,7 +11,6 @@ import shlex
 
 import pytest
 import tyro
-
 from helpers import readme_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,5 +61,5 @@ def test_readme_command_parses_and_passes_the_checks(script, argv, nproc, partia
     for i, spec in enumerate(args.reward_fn):
         where, _, name = spec.rpartition(":")
         if where in shown:
-            args.reward_fn = args.reward_fn[:i] + (f"{shown[where]}:{name}",) + args.reward_fn[i + 1:]
+            args.reward_fn = args.reward_fn[:i] + (f"{shown[where]}:{name}",) + args.reward_fn[i + 1 :]
     module.validate(args)  # raises SystemExit with its sentence when a check fails

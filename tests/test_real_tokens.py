@@ -10,15 +10,16 @@ own default positions, and the log-softmax taken in float64 here. Cutting must c
 - a group's rows, their prompt prefilled once and its cache repeated, sample the tokens each row samples alone, with
   log-probs within 1e-5 on the embedded policy in float32 (and 1e-9 in float64 on every family: test_families).
 """
+
 import os
 
 import pytest
 import torch
+from helpers import ROOT, assert_group_prompts_prefilled_once
+from test_families import FAMILIES, PAD, TOKENIZER
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo
-from helpers import ROOT, assert_group_prompts_prefilled_once
-from test_families import FAMILIES, PAD, TOKENIZER
 
 PROMPTS, RESPONSES = [2, 5, 3, 1, 4], [1, 4, 2, 6, 3]  # real lengths; rows padded to 7 prompt and 8 response columns
 P, T = 7, 8
@@ -43,8 +44,9 @@ def test_cut_padding_keeps_the_columns_some_row_uses_by_hand():
     mask = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0]])
     ids = torch.arange(16).view(2, 8)
     per_token = torch.arange(8.0).view(2, 4)
-    cut, p = ppo.cut_padding(dict(input_ids=ids, attention_mask=mask, logprobs_old=per_token,
-                                  advantages=torch.tensor([0.5, -0.5])), 4)
+    cut, p = ppo.cut_padding(
+        dict(input_ids=ids, attention_mask=mask, logprobs_old=per_token, advantages=torch.tensor([0.5, -0.5])), 4
+    )
     assert p == 2
     assert cut["input_ids"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
     assert cut["attention_mask"].tolist() == [[0, 1, 1, 0], [1, 1, 1, 1]]
@@ -111,12 +113,15 @@ def test_the_rollouts_chunks_equal_each_row_alone(embedded):
     head_positions = []
     hook = policy.get_output_embeddings().register_forward_hook(lambda m, x, _: head_positions.append(x[0].shape[1]))
     with torch.no_grad():
-        logprobs = ppo.in_chunks(lambda i, m, p: ppo.response_logprobs(policy, i, m, p, 0.7), 2, input_ids,
-                                 attention_mask, P)
-        values = ppo.in_chunks(lambda i, m, p: ppo.head_outputs(rm, i, m)[:, p - 1 : -1], 2, input_ids, attention_mask,
-                               P)
-        scores, _, _, _ = ppo.score_responses([(rm, None)], [], TOKENIZER, input_ids, attention_mask, P, [{}] * 5,
-                                              ppo.Args(micro_batch_size=2))
+        logprobs = ppo.in_chunks(
+            lambda i, m, p: ppo.response_logprobs(policy, i, m, p, 0.7), 2, input_ids, attention_mask, P
+        )
+        values = ppo.in_chunks(
+            lambda i, m, p: ppo.head_outputs(rm, i, m)[:, p - 1 : -1], 2, input_ids, attention_mask, P
+        )
+        scores, _, _, _ = ppo.score_responses(
+            [(rm, None)], [], TOKENIZER, input_ids, attention_mask, P, [{}] * 5, ppo.Args(micro_batch_size=2)
+        )
         hook.remove()
         assert logprobs.shape == values.shape == (5, T)
         # Sorted by length (3, 9, 5, 7, 7 tokens) the chunks are rows (0, 2), (3, 4), (1,): the LM head runs on each
@@ -143,14 +148,16 @@ def test_a_training_micro_batch_cut_equals_each_row_alone(embedded):
     loss = 0.0
     for micro_idx in order.split(3):
         micro, p = ppo.cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)
-        logprobs, entropy = ppo.response_logprobs(policy, micro["input_ids"], micro["attention_mask"], p, 1.0,
-                                                  return_entropy=True)
+        logprobs, entropy = ppo.response_logprobs(
+            policy, micro["input_ids"], micro["attention_mask"], p, 1.0, return_entropy=True
+        )
         assert logprobs.shape[1] == max(RESPONSES[b] for b in micro_idx.tolist())
         for row, b in enumerate(micro_idx.tolist()):
             expected, expected_entropy = alone_logprobs(policy, rows[b], PROMPTS[b], 1.0)
             torch.testing.assert_close(logprobs[row, : RESPONSES[b]].double(), expected.detach(), atol=1e-5, rtol=1e-6)
-            torch.testing.assert_close(entropy[row, : RESPONSES[b]].double(), expected_entropy.detach(), atol=1e-5,
-                                       rtol=0)
+            torch.testing.assert_close(
+                entropy[row, : RESPONSES[b]].double(), expected_entropy.detach(), atol=1e-5, rtol=0
+            )
         loss = loss + (logprobs * micro["advantages"][:, None]).sum()
     loss.backward()
     cut_grad = policy.model.layers[0].mlp.up_proj.weight.grad.clone()
@@ -163,5 +170,6 @@ def test_a_training_micro_batch_cut_equals_each_row_alone(embedded):
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_a_groups_prompt_is_encoded_once_on_the_embedded_policy(decode):
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")).eval()
-    assert_group_prompts_prefilled_once(policy, TOKENIZER.pad_token_id, torch.tensor([TOKENIZER.eos_token_id]),
-                                        len(TOKENIZER), 1e-5, decode)
+    assert_group_prompts_prefilled_once(
+        policy, TOKENIZER.pad_token_id, torch.tensor([TOKENIZER.eos_token_id]), len(TOKENIZER), 1e-5, decode
+    )

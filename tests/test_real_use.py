@@ -3,6 +3,7 @@ process pools, calls sys.exit, changes its inputs, hangs or returns the wrong th
 linked back. Each case is
 compared with what must happen: one run refused in one sentence, the same run bitwise, the same metrics as the
 function called in-process."""
+
 import errno
 import gzip
 import json
@@ -16,17 +17,30 @@ import time
 
 import pytest
 import torch
+from helpers import ROOT, TORCHRUN, run_script, torchrun
+from test_robustness import (  # noqa: F401 (fixtures: the same tiny runs)
+    ENV,
+    TINY,
+    assert_bitwise_equal,
+    cli,
+    failing_reward,
+    final_state,
+    launch,
+    read_rows,
+    run_as_found,
+    small_held_out_set,
+    tiny_args,
+    uninterrupted,
+    wait_for,
+    without_timing,
+)
 from transformers import AutoTokenizer
 
 import grpo
 import ppo
-from helpers import ROOT, TORCHRUN, run_script, torchrun
-from test_robustness import (ENV, TINY, assert_bitwise_equal, cli, failing_reward, final_state, launch, read_rows,
-                             run_as_found, tiny_args, wait_for, without_timing)
-from test_robustness import small_held_out_set, uninterrupted  # noqa: F401 (fixtures: the same tiny runs)
-
 
 # ---------------------------------------------------------------- one run per folder
+
 
 def test_a_second_run_into_a_busy_folder_is_refused_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
@@ -34,13 +48,26 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_writes_nothing(tmp_path)
     wait_for(lambda: os.path.exists(out / "metrics.jsonl") and os.path.getsize(out / "metrics.jsonl") > 0, first)
     first.send_signal(signal.SIGSTOP)  # still running, frozen while the second tries: the folder cannot change
     before = {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)}
-    second = subprocess.run([sys.executable, os.path.join(ROOT, "grpo.py"), "--output_dir", str(out),
-                             *cli("grpo.py", total_episodes=160, learning_rate=1e-3)], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=240)
+    second = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "grpo.py"),
+            "--output_dir",
+            str(out),
+            *cli("grpo.py", total_episodes=160, learning_rate=1e-3),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     holder = f"process {first.pid} on {os.uname().nodename}"
     assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
-    assert second.stderr.strip().endswith(f"--output_dir '{out}' is in use by another run ({holder}, its "
-                                          f"{out}/run.lock); wait for it to end, or pass another --output_dir.")
+    assert second.stderr.strip().endswith(
+        f"--output_dir '{out}' is in use by another run ({holder}, its "
+        f"{out}/run.lock); wait for it to end, or pass another --output_dir."
+    )
     assert {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)} == before
     first.send_signal(signal.SIGCONT)
     first.communicate(timeout=240)
@@ -59,8 +86,17 @@ def test_a_lock_left_by_a_process_that_ended_is_taken_over_and_said(tmp_path):
 
 # ---------------------------------------------------------------- exact resume from a stop before the first step
 
-ARITHMETIC = ["--dataset", os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"), "--reward_fn", "arithmetic",
-              "--reward_model_path", "--eval_every", "0", "--save_every", "3"]
+ARITHMETIC = [
+    "--dataset",
+    os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"),
+    "--reward_fn",
+    "arithmetic",
+    "--reward_model_path",
+    "--eval_every",
+    "0",
+    "--save_every",
+    "3",
+]
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
@@ -84,8 +120,9 @@ def resume_as_printed(printed, checkpoint):
     """The command a stopped run printed, which must resume the given checkpoint, run as printed."""
     command = printed.split("to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {checkpoint}"), command
-    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
-                            text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -107,8 +144,18 @@ def test_a_reward_failing_in_an_evaluation_is_evaluated_again_on_resume(script, 
     joined to its iteration's, and its final weights and Adam states are those of the run whose reward never failed."""
     held_out = tmp_path / "test.jsonl"  # 8 prompts: one call of the rule per pass (sampled, greedy)
     held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:8]))
-    args = [*cli(script), *ARITHMETIC, "--eval_every", "100", "--save_every", "100", "--eval_dataset", str(held_out),
-            "--eval_batch_size", "8"]
+    args = [
+        *cli(script),
+        *ARITHMETIC,
+        "--eval_every",
+        "100",
+        "--save_every",
+        "100",
+        "--eval_dataset",
+        str(held_out),
+        "--eval_batch_size",
+        "8",
+    ]
     full, _ = run_script(script, tmp_path / "full", *args)
     assert [r["iteration"] for r in full if "eval/score" in r] == [0, 6]
     out, (from_batch, iteration) = tmp_path / "run", {"first": (1, 0), "last": (9, 6)}[which]
@@ -181,8 +228,9 @@ def hangs_in_a_pool(responses, answers):  # a grader's worker that never answers
 
 @pytest.fixture
 def reward_file(tmp_path):
-    (tmp_path / "grading.py").write_text("def grade(response, answer):\n"
-                                         "    return float(response.strip() == str(answer).strip())\n")
+    (tmp_path / "grading.py").write_text(
+        "def grade(response, answer):\n    return float(response.strip() == str(answer).strip())\n"
+    )
     (tmp_path / "pools.py").write_text(POOLS)
     return tmp_path / "pools.py"
 
@@ -226,8 +274,9 @@ def test_a_hung_reward_stops_at_its_timeout_and_the_resumed_run_is_the_one_never
     command = printed.split("to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {out / 'checkpoint-1'}")
     (tmp_path / "hang").unlink()
-    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
-                            text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == without_timing(full)
     assert_bitwise_equal(final_state(out, 3), final_state(tmp_path / "full", 3))
@@ -239,8 +288,11 @@ def test_sigterm_stops_a_run_whose_reward_hangs_within_the_timeout(reward_file, 
     (tmp_path / "hang").touch()
     for name in ("hangs_once", "hangs_in_a_pool"):
         out = tmp_path / name
-        proc = launch("grpo.py", out, [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:{name}",
-                                       "--reward_timeout", "5"])
+        proc = launch(
+            "grpo.py",
+            out,
+            [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:{name}", "--reward_timeout", "5"],
+        )
         wait_for(lambda: (tmp_path / "hanging").exists(), proc)
         (tmp_path / "hanging").unlink()
         proc.send_signal(signal.SIGTERM)
@@ -255,13 +307,16 @@ def test_sigterm_stops_a_run_whose_reward_hangs_within_the_timeout(reward_file, 
         assert left == "", name
 
 
-@pytest.mark.parametrize("returned, why", [
-    ("1.0", "nan: the batch's call returned a str for 3 responses"),
-    ([1.0, 0.0], "nan: the batch's call returned 2 scores for 3 responses"),
-    ([1.0, 0.0, 1.0, 1.0], "nan: the batch's call returned 4 scores for 3 responses"),
-    (0.5, "nan: the batch's call returned a float for 3 responses"),
-    ([1.0, 1e300, 0.0], "1e+300, past float32's range"),
-])
+@pytest.mark.parametrize(
+    "returned, why",
+    [
+        ("1.0", "nan: the batch's call returned a str for 3 responses"),
+        ([1.0, 0.0], "nan: the batch's call returned 2 scores for 3 responses"),
+        ([1.0, 0.0, 1.0, 1.0], "nan: the batch's call returned 4 scores for 3 responses"),
+        (0.5, "nan: the batch's call returned a float for 3 responses"),
+        ([1.0, 1e300, 0.0], "1e+300, past float32's range"),
+    ],
+)
 def test_a_wrong_return_is_named(returned, why):
     """Before, a str had each character taken as a score, a wrong count blamed one response with "too many values
     to unpack", and 1e300 (finite in Python, inf in float32) was called "not a finite number"."""
@@ -272,6 +327,7 @@ def test_a_wrong_return_is_named(returned, why):
 
 # ---------------------------------------------------------------- a checkpoint moved away and linked back
 
+
 def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
     out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1))  # checkpoint-1 and -2
@@ -280,7 +336,9 @@ def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
     os.symlink(elsewhere / "checkpoint-1", out / "checkpoint-1")
     rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=32, save_every=1), "--resume", "auto")
     assert len(rows) == 4 and sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
-        "checkpoint-3", "checkpoint-4"]
+        "checkpoint-3",
+        "checkpoint-4",
+    ]
     assert (elsewhere / "checkpoint-1" / "manifest.json").exists()  # what the link pointed to is still there
 
 
@@ -288,8 +346,10 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
     out = tmp_path / "run"
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1))  # two iterations
     rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=8, save_every=1), "--resume", "auto")
-    assert ("--total_episodes 8 ends at iteration 1; the checkpoint is at 2, so no step is taken: its policy is "
-            "saved as it is (raise it to go on)") in printed
+    assert (
+        "--total_episodes 8 ends at iteration 1; the checkpoint is at 2, so no step is taken: its policy is "
+        "saved as it is (raise it to go on)"
+    ) in printed
     assert len(rows) == 2
 
 
@@ -298,21 +358,23 @@ def test_a_resume_may_raise_the_reward_timeout_and_change_the_micro_batch(tmp_pa
     which lowers --micro_batch_size to the per-process minibatch, is resumed on one process with the command that
     made it: neither counts as a changed argument (the micro-batch changes the order of the float sums alone)."""
     out = tmp_path / "run"
-    run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1, micro_batch_size=4,
-                                    reward_timeout=30))
+    run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1, micro_batch_size=4, reward_timeout=30))
     assert grpo.read_json(out / "checkpoint-2" / "args.json")["micro_batch_size"] == 4
-    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60),
-                               "--resume", "auto")
+    rows, printed = run_script(
+        "grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60), "--resume", "auto"
+    )
     assert [r["iteration"] for r in rows] == [1, 2, 3] and "other values of" not in printed
 
 
 # ---------------------------------------------------------------- data as people have it
+
 
 def test_local_data_in_every_format_reads_as_the_jsonl(tmp_path):
     """The same rows as .csv, .parquet, a gzipped .jsonl and an upper-case .JSONL: each gives the .jsonl's prompts
     and answers (before, every one of them went to the hub loader: "Couldn't find any data file"); a folder named
     like a data file is said to be a folder, and a file whose contents do not parse is named."""
     import datasets
+
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl")).readlines()[:12]))
     rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
@@ -336,13 +398,15 @@ def test_local_data_in_every_format_reads_as_the_jsonl(tmp_path):
 
 
 def test_a_null_answer_for_a_built_in_rule_is_refused(tmp_path):
-    """"answer": null would be scored against the text 'None'; the row is named before any model loads."""
+    """ "answer": null would be scored against the text 'None'; the row is named before any model loads."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": null}\n')
     args = grpo.Args(dataset=str(data), output_dir=str(tmp_path / "run"), eval_every=0)
     grpo.validate(args)
-    with pytest.raises(SystemExit, match="--reward_fn arithmetic needs an answer column, but row 2 of .* has no "
-                                         "\\(or a null\\) 'answer'"):
+    with pytest.raises(
+        SystemExit,
+        match="--reward_fn arithmetic needs an answer column, but row 2 of .* has no \\(or a null\\) 'answer'",
+    ):
         grpo.load_task(args, torch.device("cpu"))
     assert not (tmp_path / "run").exists()
 
@@ -351,17 +415,20 @@ def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_time
     """The batch's call raises, and each response alone then hangs: the first single call that times out ends the
     retries (before, each of the B responses waited its own timeout), and every score is a failure."""
     calls = []
+
     def grader(responses, answers):
         calls.append(len(responses))
         if len(responses) > 1:
             raise ValueError("batch unsupported")
         time.sleep(30)
+
     scores, why = grpo.call_reward_fn(grader, ["a", "b", "c"], [1, 2, 3], timeout=0.5)
     assert calls == [3, 1] and all(s != s for s in scores) and len(scores) == 3
     assert why == "an error (TimeoutError: no answer within --reward_timeout 0.5 s)"
 
 
 # ---------------------------------------------------------------- every input checked before loading
+
 
 def test_a_checkpoint_whose_name_disagrees_with_its_manifest_is_not_resumed(tmp_path, uninterrupted):
     """checkpoint-3 copied to checkpoint-7 (the iteration in its name, and the log would go 1-3 then 8): --resume auto
@@ -371,20 +438,29 @@ def test_a_checkpoint_whose_name_disagrees_with_its_manifest_is_not_resumed(tmp_
     args = tiny_args("ppo.py", out, resume="auto")
     ppo.validate(args)
     assert args.resume == str(out / "checkpoint-6")
-    with pytest.raises(SystemExit, match=r"checkpoint-7' is damaged: its name says iteration 7, its manifest.json and "
-                                         r"state.json 3; resume from .*checkpoint-6"):
+    with pytest.raises(
+        SystemExit,
+        match=r"checkpoint-7' is damaged: its name says iteration 7, its manifest.json and "
+        r"state.json 3; resume from .*checkpoint-6",
+    ):
         ppo.validate(tiny_args("ppo.py", out, resume=str(out / "checkpoint-7")))
 
 
 def test_lengths_past_the_policys_positions_and_lora_targets_it_lacks_are_refused_before_loading(tmp_path):
     """The embedded policy has 128 positions and Llama's module names."""
     out = str(tmp_path / "run")
-    with pytest.raises(SystemExit, match=r"^--response_length plus --max_prompt_length must fit the policy's 128 "
-                                         r"positions \(got 65\)\.$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^--response_length plus --max_prompt_length must fit the policy's 128 "
+        r"positions \(got 65\)\.$",
+    ):
         grpo.validate(grpo.Args(output_dir=out, max_prompt_length=64, response_length=65))
     grpo.validate(grpo.Args(output_dir=out, max_prompt_length=64, response_length=64))  # 128 fit
-    with pytest.raises(SystemExit, match=r"^--lora_target_modules must each end the name of a module of the policy, "
-                                         r"or be all-linear \(got \('q_proj', 'qkv'\)\)\.$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"^--lora_target_modules must each end the name of a module of the policy, "
+        r"or be all-linear \(got \('q_proj', 'qkv'\)\)\.$",
+    ):
         grpo.validate(grpo.Args(output_dir=out, lora_r=4, lora_target_modules=("q_proj", "qkv")))
     grpo.validate(grpo.Args(output_dir=out, lora_r=4, lora_target_modules=("q_proj", "mlp.down_proj")))
     assert not os.path.exists(out)
@@ -396,11 +472,16 @@ def test_a_lone_surrogate_and_a_broken_chat_template_are_named(tmp_path):
     data.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "\\ud83d+1=", "answer": 2}\n')  # JSON's half an emoji
     with pytest.raises(SystemExit, match=r"row 2 of .* holds a lone surrogate \(half of a UTF-16 pair\); fix its text"):
         grpo.load_prompts(str(data), "train", grpo.Args(), tokenizer)
-    for template, error in (("{{ raise_exception('no system role') }}", "no system role"),
-                            ("{% for m in messages %}<|{{ m['role'] }}|>{% endfor %}", "substring not found")):
+    for template, error in (
+        ("{{ raise_exception('no system role') }}", "no system role"),
+        ("{% for m in messages %}<|{{ m['role'] }}|>{% endfor %}", "substring not found"),
+    ):
         tokenizer.chat_template = template  # one that raises; one that leaves the assistant's answer out
-        with pytest.raises(SystemExit, match=rf"the chat template of 'here' fails on a user turn and its answer "
-                                             rf"\(.*{error}.*\); fix it"):
+        with pytest.raises(
+            SystemExit,
+            match=rf"the chat template of 'here' fails on a user turn and its answer "
+            rf"\(.*{error}.*\); fix it",
+        ):
             grpo.stop_token_ids(tokenizer, "here")
 
 
@@ -420,6 +501,7 @@ def test_a_template_that_raises_is_named_before_the_chat_prompts_are_rendered(tm
 def test_reward_model_tokenizers_without_a_pad_or_with_ids_past_the_embeddings_are_refused(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
+
     policy = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
     for name, specials, vocab in (("no-pad", {}, 784), ("too-many", {"pad_token": "<p>"}, 2)):
         rm = tmp_path / name
@@ -431,8 +513,11 @@ def test_reward_model_tokenizers_without_a_pad_or_with_ids_past_the_embeddings_a
         config = json.loads((rm / "config.json").read_text())
         (rm / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
         args = grpo.Args(reward_model_path=(str(rm),))
-        with pytest.raises(SystemExit, match=rf"the tokenizer beside --reward_model_path '{rm}' has no pad, EOS or unk "
-                                             rf"token, or more ids than the model's {vocab} embeddings; save the one"):
+        with pytest.raises(
+            SystemExit,
+            match=rf"the tokenizer beside --reward_model_path '{rm}' has no pad, EOS or unk "
+            rf"token, or more ids than the model's {vocab} embeddings; save the one",
+        ):
             grpo.load_reward_models(args, policy, torch.device("cpu"))
 
 
@@ -440,29 +525,37 @@ def test_a_resume_onto_a_policy_of_another_size_is_refused_in_one_sentence(tmp_p
     """The policy's folder, after the run, holds a model of another width: the checkpoint cannot be loaded into it,
     and the resume says so instead of DCP's traceback."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     policy, out = tmp_path / "policy", tmp_path / "run"
     shutil.copytree(os.path.join(ROOT, "assets", "tiny-sft"), policy)
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=8), "--model_name_or_path", str(policy))
     config = AutoConfig.from_pretrained(policy)
     config.hidden_size, config.intermediate_size = 2 * config.hidden_size, 2 * config.intermediate_size
     AutoModelForCausalLM.from_config(config).save_pretrained(policy)
-    args = grpo.Args(**{**TINY["grpo.py"], "total_episodes": 16}, model_name_or_path=str(policy), output_dir=str(out),
-                     resume="auto")
-    with pytest.raises(SystemExit, match=rf"^'{out / 'checkpoint-1'}' could not be loaded into this run's models "
-                                         r"\(ValueError: Size mismatch .*\); if they changed size, resume with the "
-                                         r"models it was trained from\.$"):
+    args = grpo.Args(
+        **{**TINY["grpo.py"], "total_episodes": 16}, model_name_or_path=str(policy), output_dir=str(out), resume="auto"
+    )
+    with pytest.raises(
+        SystemExit,
+        match=rf"^'{out / 'checkpoint-1'}' could not be loaded into this run's models "
+        r"\(ValueError: Size mismatch .*\); if they changed size, resume with the "
+        r"models it was trained from\.$",
+    ):
         grpo.main(args)
 
 
 def test_a_reward_file_that_fails_on_one_process_stops_both_and_says_why_once(tmp_path):
     rule = tmp_path / "rule.py"
-    rule.write_text("import os\n"
-                    "if os.environ['RANK'] == '1':\n"
-                    "    raise RuntimeError('no grader on this node')\n"
-                    "def score(responses, answers):\n"
-                    "    return [0.0] * len(responses)\n")
-    result = torchrun("grpo.py", tmp_path / "run", *cli("grpo.py"), "--reward_fn", f"{rule}:score",
-                      "--reward_model_path")
+    rule.write_text(
+        "import os\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('no grader on this node')\n"
+        "def score(responses, answers):\n"
+        "    return [0.0] * len(responses)\n"
+    )
+    result = torchrun(
+        "grpo.py", tmp_path / "run", *cli("grpo.py"), "--reward_fn", f"{rule}:score", "--reward_model_path"
+    )
     assert result.returncode != 0
     said = f"--reward_fn {rule}:score: '{rule}' could not be loaded (RuntimeError: no grader on this node)"
     assert result.stderr.count(said) == 1, result.stderr[-3000:]
@@ -472,8 +565,9 @@ def test_a_reward_file_that_fails_on_one_process_stops_both_and_says_why_once(tm
 def test_eval_every_without_a_held_out_set_is_said(tmp_path):
     data = tmp_path / "prompts.jsonl"  # no test.jsonl beside it, and no --eval_dataset
     data.write_text('{"prompt": "1+1=", "answer": 2}\n')
-    with pytest.warns(UserWarning, match="--eval_every 5: no held-out set \\(pass --eval_dataset\\); nothing is "
-                                         "evaluated"):
+    with pytest.warns(
+        UserWarning, match="--eval_every 5: no held-out set \\(pass --eval_dataset\\); nothing is evaluated"
+    ):
         held_out = grpo.load_task(grpo.Args(dataset=str(data), eval_every=5), torch.device("cpu"))[3]
     assert held_out == ([], [])
 
@@ -481,10 +575,13 @@ def test_eval_every_without_a_held_out_set_is_said(tmp_path):
 def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     def no_locks(fd, cmd, length):
         raise OSError(errno.ENOLCK, "No locks available")
+
     monkeypatch.setattr(os, "lockf", no_locks)
     lock = grpo.lock_output_dir(str(tmp_path))
-    assert "this file system cannot lock (No locks available): a second run here would not be refused" in \
-        capsys.readouterr().out
+    assert (
+        "this file system cannot lock (No locks available): a second run here would not be refused"
+        in capsys.readouterr().out
+    )
     assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
     lock.close()
 
@@ -493,14 +590,16 @@ def hangs_on_rank_1(tmp_path):
     """A reward file whose rule (the arithmetic one) hangs on rank 1 at its second call, after leaving a file named
     "hanging" in tmp_path."""
     rule = tmp_path / "rule.py"
-    rule.write_text("import os, time\n"
-                    "calls = []\n"
-                    "def score(responses, answers):\n"
-                    "    calls.append(1)\n"
-                    "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
-                    f"        open({str(tmp_path / 'hanging')!r}, 'w').close()\n"
-                    "        time.sleep(600)\n"
-                    "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n")
+    rule.write_text(
+        "import os, time\n"
+        "calls = []\n"
+        "def score(responses, answers):\n"
+        "    calls.append(1)\n"
+        "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
+        f"        open({str(tmp_path / 'hanging')!r}, 'w').close()\n"
+        "        time.sleep(600)\n"
+        "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n"
+    )
     return rule
 
 
@@ -510,8 +609,20 @@ def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
     timeout and prints the torchrun command that goes on."""
     rule, out = hangs_on_rank_1(tmp_path), tmp_path / "run"
     start = time.time()
-    result = torchrun("grpo.py", out, *cli("grpo.py"), "--dataset", ARITHMETIC[1], "--reward_fn", f"{rule}:score",
-                      "--reward_model_path", "--eval_every", "0", "--reward_timeout", "3")
+    result = torchrun(
+        "grpo.py",
+        out,
+        *cli("grpo.py"),
+        "--dataset",
+        ARITHMETIC[1],
+        "--reward_fn",
+        f"{rule}:score",
+        "--reward_model_path",
+        "--eval_every",
+        "0",
+        "--reward_timeout",
+        "3",
+    )
     assert result.returncode != 0 and time.time() - start < 300
     assert "is an error (TimeoutError: no answer within --reward_timeout 3 s)" in result.stderr, result.stderr[-3000:]
     assert "stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 " in result.stdout
@@ -522,10 +633,16 @@ def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
 def test_the_seed_help_says_what_the_code_does(script):
     """Every process seeds its generators with --seed itself (torch.manual_seed(args.seed) in main, the sampling
     generators from seed and iteration alone): the help must not say a rank is added."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), "--help"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     text = " ".join(result.stdout.split())
-    seed_help = text[text.index("--seed"):][:200]
+    seed_help = text[text.index("--seed") :][:200]
     assert "the same on every process" in seed_help and "rank" not in seed_help
     assert "torch.manual_seed(args.seed)" in open(os.path.join(ROOT, script)).read()
 
@@ -535,10 +652,29 @@ def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp
     call when its alarm rings (within --reward_timeout), and the stop reaches rank 0: both save checkpoint-1, well
     before torchrun's own 30 s grace would kill them."""
     rule, out = hangs_on_rank_1(tmp_path), tmp_path / "run"
-    proc = subprocess.Popen([*TORCHRUN, os.path.join(ROOT, "grpo.py"), "--output_dir", str(out), *cli("grpo.py"),
-                             "--dataset", ARITHMETIC[1], "--reward_fn", f"{rule}:score", "--reward_model_path",
-                             "--eval_every", "0", "--reward_timeout", "5"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            *TORCHRUN,
+            os.path.join(ROOT, "grpo.py"),
+            "--output_dir",
+            str(out),
+            *cli("grpo.py"),
+            "--dataset",
+            ARITHMETIC[1],
+            "--reward_fn",
+            f"{rule}:score",
+            "--reward_model_path",
+            "--eval_every",
+            "0",
+            "--reward_timeout",
+            "5",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for(lambda: os.path.exists(tmp_path / "hanging"), proc)
     start = time.time()
     proc.send_signal(signal.SIGTERM)

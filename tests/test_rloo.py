@@ -1,12 +1,13 @@
 """rloo.py against independent references: the leave-one-out baseline as a plain loop, its closed form, the
 KL-shaped reward by hand, and REINFORCE against the clipped loss at ratio 1."""
+
 import math
 
 import pytest
 import torch
+from helpers import run_script
 
 import rloo
-from helpers import run_script
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 8])
@@ -23,8 +24,9 @@ def test_leave_one_out_matches_plain_loop(k):
     assert got.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
     # the identity: r_i - mean of the others = k / (k - 1) * (r_i - mean of the group)
     grouped = rewards.view(-1, k)
-    assert got.tolist() == pytest.approx((k / (k - 1) * (grouped - grouped.mean(1, keepdim=True))).reshape(-1).tolist(),
-                                         rel=1e-12, abs=1e-12)
+    assert got.tolist() == pytest.approx(
+        (k / (k - 1) * (grouped - grouped.mean(1, keepdim=True))).reshape(-1).tolist(), rel=1e-12, abs=1e-12
+    )
 
 
 def test_kl_shaped_rewards_by_hand():
@@ -62,17 +64,37 @@ def test_bad_arguments(tmp_path):
 
 
 def run_rloo(tmp_path, *extra):
-    return run_script("rloo.py", tmp_path / "run", "--total_episodes", "32", "--rollout_batch_size", "4",
-                      "--num_generations", "4", "--minibatch_size", "16", "--micro_batch_size", "8",
-                      "--response_length", "8", *extra)[0]
+    return run_script(
+        "rloo.py",
+        tmp_path / "run",
+        "--total_episodes",
+        "32",
+        "--rollout_batch_size",
+        "4",
+        "--num_generations",
+        "4",
+        "--minibatch_size",
+        "16",
+        "--micro_batch_size",
+        "8",
+        "--response_length",
+        "8",
+        *extra,
+    )[0]
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
     rows = run_rloo(tmp_path)
     assert [r["iteration"] for r in rows] == [0, 1, 2] and "eval/score" in rows[0] and "eval/score" in rows[2]
     for r in rows[1:]:
-        for key in ("objective/score", "objective/score_normalized", "objective/kl", "objective/rlhf_reward",
-                    "policy/entropy", "grad_norm/policy"):
+        for key in (
+            "objective/score",
+            "objective/score_normalized",
+            "objective/kl",
+            "objective/rlhf_reward",
+            "policy/entropy",
+            "grad_norm/policy",
+        ):
             assert math.isfinite(r[key]), key
         # one update per rollout: the ratio is 1
         assert r["policy/first_ratio_dev"] < 1e-4 and r["policy/clipfrac"] == 0.0

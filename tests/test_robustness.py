@@ -7,6 +7,7 @@ Why a resumed run is bitwise the same run on a CPU: everything random is drawn f
 the seed (each iteration's samples and minibatches from (seed, iteration), the data order from seed + data epoch,
 evaluation from the seed), so there is no generator state to save; the models and Adam states are saved exactly
 (torch.distributed.checkpoint); and CPU kernels are deterministic for a fixed thread count."""
+
 import io
 import json
 import os
@@ -21,6 +22,7 @@ import time
 import pytest
 import torch
 import tyro
+from helpers import ROOT, run_script
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoTokenizer
@@ -28,18 +30,38 @@ from transformers import AutoTokenizer
 import grpo
 import ppo
 import rloo
-from helpers import ROOT, run_script
 
 MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
 # Six iterations each, in seconds on two cores. PPO also evaluates, on a small held-out set (its own generator
 # must not disturb the run's).
 TINY = {
-    "ppo.py": dict(total_episodes=48, rollout_batch_size=8, minibatch_size=4, micro_batch_size=4, num_epochs=2,
-                   response_length=8, eval_every=3),
-    "grpo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8,
-                    response_length=8, eval_every=0),
-    "rloo.py": dict(total_episodes=48, rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8,
-                    response_length=8, eval_every=0),
+    "ppo.py": dict(
+        total_episodes=48,
+        rollout_batch_size=8,
+        minibatch_size=4,
+        micro_batch_size=4,
+        num_epochs=2,
+        response_length=8,
+        eval_every=3,
+    ),
+    "grpo.py": dict(
+        total_episodes=48,
+        rollout_batch_size=2,
+        num_generations=4,
+        minibatch_size=8,
+        micro_batch_size=8,
+        response_length=8,
+        eval_every=0,
+    ),
+    "rloo.py": dict(
+        total_episodes=48,
+        rollout_batch_size=2,
+        num_generations=4,
+        minibatch_size=8,
+        micro_batch_size=8,
+        response_length=8,
+        eval_every=0,
+    ),
 }
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
@@ -87,8 +109,14 @@ def assert_bitwise_equal(a, b):
 def launch(script, out, args, prelude=None):
     """The script in a subprocess, optionally under a prelude file that patches something first."""
     head = [sys.executable, prelude] if prelude else [sys.executable]
-    return subprocess.Popen([*head, os.path.join(ROOT, script), "--output_dir", str(out), *args], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [*head, os.path.join(ROOT, script), "--output_dir", str(out), *args],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for(condition, proc, timeout=240):
@@ -121,16 +149,19 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("script,stop",
-                         [("ppo.py", signal.SIGTERM), ("grpo.py", signal.SIGINT), ("rloo.py", signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "script,stop", [("ppo.py", signal.SIGTERM), ("grpo.py", signal.SIGINT), ("rloo.py", signal.SIGTERM)]
+)
 def test_a_stopped_and_resumed_run_is_the_same_run(script, stop, tmp_path, uninterrupted):
     """SIGTERM (a cluster's pre-emption) or Ctrl-C (SIGINT), then the command the run printed."""
     _, full_rows, full_state = uninterrupted(script)
     out = tmp_path / "run"
     proc = launch(script, out, cli(script, save_every=3))
     first_rows = 2 if TINY[script]["eval_every"] else 1  # the held-out row 0, then iteration 1
-    wait_for(lambda: os.path.exists(out / "metrics.jsonl")
-             and len(open(out / "metrics.jsonl").readlines()) >= first_rows, proc)
+    wait_for(
+        lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= first_rows,
+        proc,
+    )
     # Frozen while signalled, so that it cannot finish first: it stops inside iteration 2 (or 3), either before
     # its update (the rollout is dropped and iteration 1's state saved) or after it.
     for s in (signal.SIGSTOP, stop, signal.SIGCONT):
@@ -153,12 +184,24 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     SIGTERM on to both, and the command they print resumes the run."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
     args = [os.path.join(ROOT, "rloo.py"), *cli("rloo.py", save_every=3, micro_batch_size=4)]  # 4 responses per process
-    full = subprocess.run([*torchrun, *args, "--output_dir", str(tmp_path / "full")], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    full = subprocess.run(
+        [*torchrun, *args, "--output_dir", str(tmp_path / "full")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert full.returncode == 0, full.stderr[-3000:]
     out = tmp_path / "run"
-    proc = subprocess.Popen([*torchrun, *args, "--output_dir", str(out)], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*torchrun, *args, "--output_dir", str(out)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     printed = proc.communicate(timeout=240)[0]
@@ -166,8 +209,15 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
     assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
     checkpoint = argv[argv.index("--resume") + 1]
-    assert sorted(os.listdir(checkpoint)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json", "manifest.json",
-                                              "metrics.jsonl", "state.json"]
+    assert sorted(os.listdir(checkpoint)) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "args.json",
+        "manifest.json",
+        "metrics.jsonl",
+        "state.json",
+    ]
     result = subprocess.run([*torchrun, *argv[2:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == without_timing(read_rows(tmp_path / "full"))
@@ -198,8 +248,14 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     proc.send_signal(signal.SIGTERM)  # ...the second ends the run at once, mid-save
     printed = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
-    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "args.json", "manifest.json",
-                                                        "metrics.jsonl", "state.json"]
+    assert sorted(os.listdir(out / "checkpoint-1")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "args.json",
+        "manifest.json",
+        "metrics.jsonl",
+        "state.json",
+    ]
     assert (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
     rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
     assert f"resuming from {out / 'checkpoint-1'}" in printed
@@ -232,13 +288,16 @@ def keep_signal_handlers():
 def args_for(script, out, **kw):
     paths = dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft"))
     if script != "grpo.py":  # grpo's default is the arithmetic rule; the others use the reward model
-        paths.update(reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
-                     dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"))
+        paths.update(
+            reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
+            dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"),
+        )
     else:
         paths.update(dataset=os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"))
     # one optimiser step per iteration: the whole rollout is one minibatch and one micro-batch
-    one_step = dict(minibatch_size=8, micro_batch_size=8, num_epochs=1,
-                    rollout_batch_size=8 if script == "ppo.py" else 2)
+    one_step = dict(
+        minibatch_size=8, micro_batch_size=8, num_epochs=1, rollout_batch_size=8 if script == "ppo.py" else 2
+    )
     return MODULES[script].Args(**{**TINY[script], **one_step, "eval_every": 0, **paths, "output_dir": str(out), **kw})
 
 
@@ -270,8 +329,9 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(script, tmp_path, monk
     # iteration 2's step was skipped: its weights and optimiser states are those after iteration 1
     assert_bitwise_equal(states[1], states[0])
     # and the run went on: iteration 3 stepped
-    assert not torch.equal(states[2]["policy"]["model"]["model.norm.weight"],
-                           states[1]["policy"]["model"]["model.norm.weight"])
+    assert not torch.equal(
+        states[2]["policy"]["model"]["model.norm.weight"], states[1]["policy"]["model"]["model.norm.weight"]
+    )
     rows = read_rows(tmp_path)
     assert [r["health/skipped_steps"] for r in rows] == [0, 1, 1]
     assert "iteration 2: a non-finite loss or gradient" in capsys.readouterr().out
@@ -279,8 +339,11 @@ def test_a_non_finite_step_is_skipped_and_the_run_goes_on(script, tmp_path, monk
 
 def test_max_bad_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, keep_signal_handlers):
     poison_the_loss(monkeypatch, "ppo.py", bad_calls={2, 3, 4})
-    with pytest.raises(SystemExit, match=r"2 optimiser steps in a row had a non-finite loss or gradient "
-                                         r"\(iteration 3\).*learning rate"):
+    with pytest.raises(
+        SystemExit,
+        match=r"2 optimiser steps in a row had a non-finite loss or gradient "
+        r"\(iteration 3\).*learning rate",
+    ):
         ppo.main(args_for("ppo.py", tmp_path, total_episodes=48, max_bad_steps=2))
 
 
@@ -300,17 +363,27 @@ def scored(fn, on_reward_error="stop", penalty=1.0):
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
-    return ppo.score_responses([], [("fn", fn)], tokenizer, torch.cat([prompt_ids, responses], 1),
-                               torch.cat([prompt_mask, response_mask], 1), prompt_ids.shape[1],
-                               [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])], args)
+    return ppo.score_responses(
+        [],
+        [("fn", fn)],
+        tokenizer,
+        torch.cat([prompt_ids, responses], 1),
+        torch.cat([prompt_mask, response_mask], 1),
+        prompt_ids.shape[1],
+        [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])],
+        args,
+    )
 
 
 def test_a_failing_reward_function_is_pinned_on_its_response():
     def fails_on_words(texts, answers):
         return [float(int(t) == int(a)) for t, a in zip(texts, answers)]  # int("nine") raises
 
-    with pytest.raises(SystemExit, match=r"the response 'nine' to the prompt 'what is 4\+4\?' is an error "
-                                         r"\(ValueError: invalid literal.*--on_reward_error penalty"):
+    with pytest.raises(
+        SystemExit,
+        match=r"the response 'nine' to the prompt 'what is 4\+4\?' is an error "
+        r"\(ValueError: invalid literal.*--on_reward_error penalty",
+    ):
         scored(fails_on_words)
     # with the penalty it scores --missing_eos_penalty below the lowest valid score of the batch: min(1, 1, 1) - 0.5
     score, rule_scores, texts, errors = scored(fails_on_words, "penalty", penalty=0.5)
@@ -326,15 +399,23 @@ def test_a_non_finite_score_is_named():
 
 
 def test_a_wrong_number_of_scores_is_named():
-    with pytest.raises(SystemExit, match=r"the response '5' .* is nan: the batch's call returned 3 scores for 4 "
-                                         r"responses; fix the reward"):  # the count named, not one response blamed
+    with pytest.raises(
+        SystemExit,
+        match=r"the response '5' .* is nan: the batch's call returned 3 scores for 4 "
+        r"responses; fix the reward",
+    ):  # the count named, not one response blamed
         scored(lambda texts, answers: [1.0 for t in texts if t != "nine"])  # drops a response
-    with pytest.raises(SystemExit, match="raises on the whole batch but on no single response; make it score a "
-                                         "batch as it scores each response"):
+    with pytest.raises(
+        SystemExit,
+        match="raises on the whole batch but on no single response; make it score a batch as it scores each response",
+    ):
         scored(lambda texts, answers: [1.0] * len(texts) if len(texts) == 1 else 1 / 0)
     # every response failed: no batch minimum, and the advice is not the option already on
-    with pytest.raises(SystemExit, match="every response of the batch failed its reward "
-                                         r"\(the response '5' .* is not a finite number\); fix the reward function\.$"):
+    with pytest.raises(
+        SystemExit,
+        match="every response of the batch failed its reward "
+        r"\(the response '5' .* is not a finite number\); fix the reward function\.$",
+    ):
         scored(lambda texts, answers: [float("nan")] * len(texts), "penalty")
 
 
@@ -373,9 +454,21 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert "socket.__new__" in log.read_text()  # the watch sees a socket when there is one
     # not even told to stay offline
     env = {k: v for k, v in ENV.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
-    result = subprocess.run([sys.executable, str(prelude), os.path.join(ROOT, "ppo.py"),
-                             "--output_dir", str(tmp_path / "run"), *cli("ppo.py", total_episodes=16, eval_every=1)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(prelude),
+            os.path.join(ROOT, "ppo.py"),
+            "--output_dir",
+            str(tmp_path / "run"),
+            *cli("ppo.py", total_episodes=16, eval_every=1),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert log.read_text() == ""
 
@@ -384,9 +477,23 @@ def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
     env = {**ENV, "WANDB_BASE_URL": "http://127.0.0.1:9"}  # nothing listens on port 9 (discard)
     env.pop("WANDB_MODE")
     start = time.time()
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--output_dir", str(tmp_path), "--track",
-                             *cli("rloo.py", total_episodes=8), "--log_samples_every", "1"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "rloo.py"),
+            "--output_dir",
+            str(tmp_path),
+            "--track",
+            *cli("rloo.py", total_episodes=8),
+            "--log_samples_every",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb: 127.0.0.1 cannot be reached; logging offline" in result.stdout
     assert time.time() - start < 120
@@ -429,20 +536,25 @@ COMMON_BAD = [
     (dict(lora_alpha=float("inf")), "--lora_alpha must be finite"),
     (dict(seed=2 * 10**13), "--seed must lie in \\[0, 9e12\\]"),
     (dict(seed=2**63 - 1), "--seed must lie in"),
-    (dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft", "config.json")),
-     "--model_name_or_path '.*config.json' is a file; pass the folder that holds the model"),
+    (
+        dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft", "config.json")),
+        "--model_name_or_path '.*config.json' is a file; pass the folder that holds the model",
+    ),
 ] + ([] if torch.cuda.is_available() else [(dict(decode="cuda_graph"), "--decode cuda_graph needs a GPU")])
 GROUP_BAD = [
     (dict(num_generations=1), "--num_generations must be at least 2"),
-    (dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2),
-     "--rollout_batch_size must be a multiple of the 2 processes \\(each samples whole groups of prompts\\) "
-     "\\(got 3\\)"),
+    (
+        dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2),
+        "--rollout_batch_size must be a multiple of the 2 processes \\(each samples whole groups of prompts\\) "
+        "\\(got 3\\)",
+    ),
 ]
 
 
 @pytest.mark.parametrize("script", list(MODULES))
-@pytest.mark.parametrize("kw,message", COMMON_BAD + GROUP_BAD,
-                         ids=lambda x: str(x)[:40] if isinstance(x, dict) else None)
+@pytest.mark.parametrize(
+    "kw,message", COMMON_BAD + GROUP_BAD, ids=lambda x: str(x)[:40] if isinstance(x, dict) else None
+)
 def test_bad_arguments_fail_with_one_sentence_in_every_script(script, kw, message, tmp_path):
     if "num_generations" in kw and script == "ppo.py":
         pytest.skip("ppo.py has no groups")
@@ -466,8 +578,9 @@ def test_the_command_line_refuses_a_choice_it_does_not_offer(script, capsys):
 def test_a_rule_reward_needs_answers(script, tmp_path):
     args = args_for(script, tmp_path, reward_fn=("arithmetic",))
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-    with pytest.raises(SystemExit,
-                       match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"):
+    with pytest.raises(
+        SystemExit, match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"
+    ):
         MODULES[script].load_prompts(os.path.join(ROOT, "assets", "reviews", "train.jsonl"), "train", args, tokenizer)
 
 
@@ -475,8 +588,17 @@ def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted):
     out, _, _ = uninterrupted("grpo.py")
     checkpoint = str(out / "checkpoint-6")
     with pytest.raises(SystemExit, match="was made with other values of --learning_rate, --response_length"):
-        grpo.validate(grpo.Args(**{**TINY["grpo.py"], "output_dir": str(tmp_path), "resume": checkpoint,
-                                   "learning_rate": 1e-3, "response_length": 9}))
+        grpo.validate(
+            grpo.Args(
+                **{
+                    **TINY["grpo.py"],
+                    "output_dir": str(tmp_path),
+                    "resume": checkpoint,
+                    "learning_rate": 1e-3,
+                    "response_length": 9,
+                }
+            )
+        )
     # more episodes: allowed
     args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})
     grpo.validate(args)
@@ -495,8 +617,11 @@ def test_a_terminal_gets_a_live_progress_bar_and_a_log_file_only_lines(script, t
     for where, stderr in (("terminal", Terminal()), ("file", io.StringIO())):
         monkeypatch.setattr(sys, "stderr", stderr)
         MODULES[script].main(args_for(script, tmp_path / where, total_episodes=24))
-        assert [line.split()[1] for line in capsys.readouterr().out.splitlines()
-                if line.startswith("iter ")] == ["1/3", "2/3", "3/3"]
+        assert [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")] == [
+            "1/3",
+            "2/3",
+            "3/3",
+        ]
         bar = stderr.getvalue()
         if where == "terminal":
             # done, with the objective and the time left
@@ -530,8 +655,10 @@ DAMAGE = {
     "metrics.jsonl deleted": ("metrics.jsonl", os.remove),
     "metrics.jsonl cut": ("metrics.jsonl", cut_in_half),
     "manifest deleted": ("manifest.json", os.remove),
-    "manifest edited": ("manifest.json", lambda p: p.write_text(p.read_text().replace('"iteration": 6',
-                                                                                      '"iteration": 7'))),
+    "manifest edited": (
+        "manifest.json",
+        lambda p: p.write_text(p.read_text().replace('"iteration": 6', '"iteration": 7')),
+    ),
 }
 
 
@@ -558,9 +685,12 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_taken(damage, tmp_path
     (skipped,) = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
     assert skipped.startswith(f"--resume auto: skipping {out / 'checkpoint-6'}: ") and name in skipped
     # named outright: one sentence with the file and the checkpoint to take instead
-    with pytest.raises(SystemExit, match=rf"checkpoint '{re.escape(str(out / 'checkpoint-6'))}' is damaged: .*"
-                                         rf"{re.escape(name)}.*; resume from {re.escape(str(out / 'checkpoint-3'))}, "
-                                         "the newest whole checkpoint beside it"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"checkpoint '{re.escape(str(out / 'checkpoint-6'))}' is damaged: .*"
+        rf"{re.escape(name)}.*; resume from {re.escape(str(out / 'checkpoint-3'))}, "
+        "the newest whole checkpoint beside it",
+    ):
         ppo.validate(tiny_args("ppo.py", tmp_path / "elsewhere", resume=str(out / "checkpoint-6")))
 
 
@@ -587,13 +717,15 @@ def test_a_resumed_log_keeps_the_runs_own_later_rows_in_the_first_free_side_file
     checkpoint, metrics = out / "checkpoint-3", out / "metrics.jsonl"
     whole = (checkpoint / "metrics.jsonl").read_text()
     own_log = metrics.read_text()  # the held-out row 0, iterations 1-6
-    for later, side in ((own_log, "metrics.after-checkpoint-3.jsonl"), (whole + '{"iteration": 4}\n',
-                                                                         "metrics.after-checkpoint-3-2.jsonl")):
+    for later, side in (
+        (own_log, "metrics.after-checkpoint-3.jsonl"),
+        (whole + '{"iteration": 4}\n', "metrics.after-checkpoint-3-2.jsonl"),
+    ):
         metrics.write_text(later)
         ppo.resumed_log(str(checkpoint), str(metrics))
         assert metrics.read_text() == whole
-        assert (out / side).read_text() == later[len(whole):]
-    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log[len(whole):]  # the first kept as it was
+        assert (out / side).read_text() == later[len(whole) :]
+    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log[len(whole) :]  # the first kept as it was
 
 
 def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, uninterrupted):
@@ -602,15 +734,21 @@ def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, 
     out = run_as_found(tmp_path, uninterrupted)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     other_data = dict(dataset=os.path.join("assets", "arithmetic", "train.jsonl"))
-    with pytest.raises(SystemExit, match=rf"--output_dir '{re.escape(str(out))}' holds the checkpoints of another run "
-                                         r"\(the newest: checkpoint-6\); pass --resume auto to continue it, or "
-                                         "another --output_dir to start afresh"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"--output_dir '{re.escape(str(out))}' holds the checkpoints of another run "
+        r"\(the newest: checkpoint-6\); pass --resume auto to continue it, or "
+        "another --output_dir to start afresh",
+    ):
         ppo.main(tiny_args("ppo.py", out, **other_data))
     with pytest.raises(SystemExit, match="was made with other values of --dataset"):
         ppo.main(tiny_args("ppo.py", out, resume="auto", **other_data))
     elsewhere = uninterrupted("ppo.py")[0] / "checkpoint-3"  # a whole checkpoint of a run of its own
-    with pytest.raises(SystemExit, match=rf"holds the checkpoints of another run, and resuming "
-                                         rf"'{re.escape(str(elsewhere))}' there would mix them with its own"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"holds the checkpoints of another run, and resuming "
+        rf"'{re.escape(str(elsewhere))}' there would mix them with its own",
+    ):
         ppo.main(tiny_args("ppo.py", out, resume=str(elsewhere)))
     with pytest.raises(SystemExit, match=r"holds the checkpoints of a run with these arguments"):
         ppo.main(tiny_args("ppo.py", out))  # the same run started again without --resume
@@ -619,8 +757,11 @@ def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, 
 
 def test_a_checkpoint_of_another_script_is_refused(tmp_path, uninterrupted):
     checkpoint = uninterrupted("ppo.py")[0] / "checkpoint-6"
-    with pytest.raises(SystemExit, match=rf"'{re.escape(str(checkpoint))}' is a checkpoint of ppo.py, not of grpo.py; "
-                                         "resume it with ppo.py"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"'{re.escape(str(checkpoint))}' is a checkpoint of ppo.py, not of grpo.py; "
+        "resume it with ppo.py",
+    ):
         grpo.validate(tiny_args("grpo.py", tmp_path, resume=str(checkpoint)))
 
 
@@ -630,8 +771,11 @@ def test_a_learning_rate_of_1e9_never_ends_with_a_broken_policy_saved(script, tm
     four steps an iteration, so three non-finite ones in a row stop it at the end of its first; the others take one,
     and the run ends after a single bad step: the final save refuses the policy."""
     several = dict(minibatch_size=4, micro_batch_size=4, num_epochs=2) if script == "ppo.py" else {}
-    message = ("3 optimiser steps in a row had a non-finite loss or gradient \\(iteration 1\\)" if several else
-               "the last 1 optimiser step\\(s\\) had a non-finite loss or gradient, so the policy is not saved")
+    message = (
+        "3 optimiser steps in a row had a non-finite loss or gradient \\(iteration 1\\)"
+        if several
+        else "the last 1 optimiser step\\(s\\) had a non-finite loss or gradient, so the policy is not saved"
+    )
     with pytest.raises(SystemExit, match=message):
         MODULES[script].main(args_for(script, tmp_path, total_episodes=16, learning_rate=1e9, save_every=1, **several))
     assert not (tmp_path / "model.safetensors").exists()
@@ -641,8 +785,11 @@ def test_a_learning_rate_of_1e9_never_ends_with_a_broken_policy_saved(script, tm
 
 def test_a_step_that_makes_a_weight_non_finite_stops_the_run_at_once(tmp_path, keep_signal_handlers):
     """A learning rate of 1e39 is inf in float32: the very first step writes infs, with a finite gradient."""
-    with pytest.raises(SystemExit, match=r"iteration 1's optimiser step left a weight non-finite: the weight "
-                                         r"'policy: model\..*' holds a nan or an inf; .*\(--model_dtype float32\)\.$"):
+    with pytest.raises(
+        SystemExit,
+        match=r"iteration 1's optimiser step left a weight non-finite: the weight "
+        r"'policy: model\..*' holds a nan or an inf; .*\(--model_dtype float32\)\.$",
+    ):
         rloo.main(args_for("rloo.py", tmp_path, total_episodes=16, learning_rate=1e39, save_every=1))
     assert rloo.checkpoints_in(str(tmp_path)) == [] and not (tmp_path / "model.safetensors").exists()
 
@@ -653,8 +800,11 @@ def test_no_save_writes_a_non_finite_model(tmp_path):
         policy.weight[1, 0] = float("nan")
     models, optimizers = {"policy": policy}, {"policy": torch.optim.AdamW(policy.parameters())}
     args = ppo.Args(output_dir=str(tmp_path))
-    with pytest.raises(SystemExit, match=rf"{re.escape(str(tmp_path / 'checkpoint-1'))} is not written: the weight "
-                                         "'policy: weight' holds a nan or an inf"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"{re.escape(str(tmp_path / 'checkpoint-1'))} is not written: the weight "
+        "'policy: weight' holds a nan or an inf",
+    ):
         ppo.save_checkpoint(args, models, optimizers, {"iteration": 1}, rank=0)
     with pytest.raises(SystemExit, match="the policy is not saved to .*: the weight 'policy: weight' holds a nan"):
         ppo.finish(policy, None, None, {"bad_steps": 0}, args, rank=0)
@@ -693,8 +843,9 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_to_go_on_from(tmp_path,
     assert "is an error (ConnectionError: the grading service went away); fix the reward" in printed
     command = printed.split("stopped after iteration 2; to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {out / 'checkpoint-2'}")
-    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True,
-                            text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == full_rows
     assert_bitwise_equal(final_state(out), full_state)
@@ -705,15 +856,34 @@ def test_a_reward_that_fails_on_one_process_stops_them_all_together(tmp_path):
     failure is said once, by rank 0, with the command that goes on."""
     out = tmp_path / "run"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    result = subprocess.run([*torchrun, failing_reward(tmp_path, 2, rank=1), os.path.join(ROOT, "grpo.py"),
-                             "--output_dir", str(out), *cli("grpo.py", save_every=3, micro_batch_size=4)],
-                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            *torchrun,
+            failing_reward(tmp_path, 2, rank=1),
+            os.path.join(ROOT, "grpo.py"),
+            "--output_dir",
+            str(out),
+            *cli("grpo.py", save_every=3, micro_batch_size=4),
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     printed = result.stdout + result.stderr
     assert result.returncode != 0 and printed.count("the grading service went away") == 1, printed[-3000:]
     assert printed.count("stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 ") == 1
     assert grpo.checkpoint_damage(str(out / "checkpoint-1")) is None
-    assert sorted(os.listdir(out / "checkpoint-1")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "args.json",
-                                                        "manifest.json", "metrics.jsonl", "state.json"]
+    assert sorted(os.listdir(out / "checkpoint-1")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "args.json",
+        "manifest.json",
+        "metrics.jsonl",
+        "state.json",
+    ]
     assert json.load(open(out / "checkpoint-1" / "state.json"))["iteration"] == 1
 
 
@@ -730,13 +900,30 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
     out = tmp_path / "run"
     os.makedirs(out)
     shutil.copytree(uninterrupted("rloo.py")[0] / "checkpoint-3", out / "checkpoint-3")
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--output_dir", str(out),
-                             *cli("rloo.py", save_every=1), "--resume", "auto"], cwd=ROOT, env=ENV,
-                            capture_output=True, text=True, timeout=240, preexec_fn=files_of_a_megabyte)
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "rloo.py"),
+            "--output_dir",
+            str(out),
+            *cli("rloo.py", save_every=1),
+            "--resume",
+            "auto",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        preexec_fn=files_of_a_megabyte,
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert re.search(rf"writing {re.escape(str(out / 'checkpoint-4'))} failed \(.+\); '{re.escape(str(out))}' has "
-                     rf"\d+ MB free and about \d+ MB are needed: free some space \(or make the folder writable again\) "
-                     rf"and go on from {re.escape(str(out / 'checkpoint-3'))}, the last good checkpoint, with --resume "
-                     r"auto\.$", result.stderr.strip())
+    assert re.search(
+        rf"writing {re.escape(str(out / 'checkpoint-4'))} failed \(.+\); '{re.escape(str(out))}' has "
+        rf"\d+ MB free and about \d+ MB are needed: free some space \(or make the folder writable again\) "
+        rf"and go on from {re.escape(str(out / 'checkpoint-3'))}, the last good checkpoint, with --resume "
+        r"auto\.$",
+        result.stderr.strip(),
+    )
     assert sorted(os.listdir(out)) == ["args.json", "checkpoint-3", "metrics.jsonl", "run.lock"]  # no checkpoint-4.tmp
     assert rloo.checkpoint_damage(str(out / "checkpoint-3")) is None
