@@ -288,7 +288,7 @@ def masked_var(x, mask):
 
 
 # >>> shared: clipped surrogate
-def policy_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
+def clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
     """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7):
     -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) with rho = exp(logp - logp_old). The min switches the gradient
     off once a token has moved eps the way its advantage wants, never when it moved the other way. PPO's eps_low =
@@ -326,12 +326,15 @@ def gae_advantages(rewards, values, response_mask, gamma, lam):
     delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   A_t = sum_k (gamma lam)^k delta_{t+k},
     with V = 0 after the last token. rewards, values, response_mask (B, T); returns the advantages (B, T) and
     returns = A + V (B, T), the critic's regression target."""
-    rewards, values = rewards * response_mask, values * response_mask  # (B, T); zero past the end
+    rewards = rewards * response_mask  # (B, T); zero past the end
+    values = values * response_mask  # (B, T)
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)  # V(s_{t+1}); 0 after the last token
     deltas = rewards + gamma * next_values - values  # (B, T)
-    advantages, last_gae = torch.zeros_like(rewards), 0.0
+    advantages = torch.zeros_like(rewards)
+    last_gae = 0.0
     for t in reversed(range(rewards.shape[1])):
-        advantages[:, t] = last_gae = deltas[:, t] + gamma * lam * last_gae  # 0 past the end, as every delta is
+        last_gae = deltas[:, t] + gamma * lam * last_gae  # 0 past the end, as every delta is
+        advantages[:, t] = last_gae
     return advantages, advantages + values
 
 
@@ -340,7 +343,8 @@ def value_loss(values, values_old, returns, clip_range):
     value divergence): max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). Inputs (B, T); returns the
     loss (B, T) and whether the clipped term was the larger (B, T)."""
     values_clipped = torch.clamp(values, values_old - clip_range, values_old + clip_range)  # V where the clip is idle
-    loss_unclipped, loss_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (values_clipped - returns) ** 2
     return torch.max(loss_unclipped, loss_clipped), (loss_clipped > loss_unclipped).float()
 
 
@@ -368,7 +372,8 @@ def normalize_scores(score, state, batch_count):
     """The usual fix for value divergence: scores (B,) divided by the running std of every score seen so far
     (over all processes), after the running mean is taken off. The moments live in state and are updated here."""
     ones = torch.ones_like(score)
-    batch_mean, batch_var = masked_mean(score, ones).item(), masked_var(score, ones).item()
+    batch_mean = masked_mean(score, ones).item()
+    batch_var = masked_var(score, ones).item()
     state["score_mean"], state["score_var"], state["score_count"] = update_moments(
         state["score_mean"], state["score_var"], state["score_count"], batch_mean, batch_var, float(batch_count)
     )
@@ -382,10 +387,13 @@ def normalize_scores(score, state, batch_count):
 # >>> shared: forward passes
 def left_pad(sequences, pad_token_id, device, width=None):
     """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
-    width = width or max(len(s) for s in sequences)
-    ids, mask = torch.full((len(sequences), width), pad_token_id), torch.zeros(len(sequences), width, dtype=torch.long)
+    if width is None:
+        width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
     for i, s in enumerate(sequences):
-        ids[i, width - len(s) :], mask[i, width - len(s) :] = torch.tensor(s), 1
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -411,7 +419,10 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
     ).logits  # the LM head on the last T + 1 only
     out = token_logprobs(logits[:, :-1], input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
     valid = attention_mask[:, prompt_length:].bool()  # (B, T)
-    return tuple(torch.where(valid, x, 0.0) for x in out) if return_entropy else torch.where(valid, out, 0.0)
+    if return_entropy:
+        logprobs, entropy = out
+        return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
+    return torch.where(valid, out, 0.0)
 
 
 def by_length(rows, attention_mask):
@@ -424,10 +435,15 @@ def cut_padding(batch, P):
     the real tokens keep their position ids, so every forward gives them the same outputs."""
     L = batch["attention_mask"].shape[1]
     start, last = batch["attention_mask"].any(0).nonzero()[[0, -1], 0].tolist()  # the first and last used columns
-    return {
-        k: v if v.dim() == 1 else v[:, start : last + 1] if v.shape[1] == L else v[:, : last + 1 - P]
-        for k, v in batch.items()
-    }, P - start
+    cut = {}
+    for key, x in batch.items():
+        if x.dim() == 1:  # (B,): one value per row
+            cut[key] = x
+        elif x.shape[1] == L:  # (B, P + T): the prompt's columns and the response's
+            cut[key] = x[:, start : last + 1]
+        else:  # (B, T): the response's columns alone
+            cut[key] = x[:, : last + 1 - P]
+    return cut, P - start
 
 
 def in_chunks(forward, size, input_ids, attention_mask, P):
@@ -444,53 +460,92 @@ def head_outputs(model, input_ids, attention_mask):
     """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
     at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
     kept = []
-    hook = model.score.register_forward_hook(lambda module, inputs, output: kept.append(output))
+
+    def keep(module, inputs, output):
+        kept.append(output)
+
+    hook = model.score.register_forward_hook(keep)
     model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
     hook.remove()
     return kept[0].squeeze(-1).float()  # (B, L)
 
 
+@dataclass
+class Scorer:
+    """What scores a response: the reward models, each with its own tokenizer (None where it reads the policy's
+    tokens), the rules as (name, function), and the policy's tokenizer, which decodes the responses for the rules."""
+
+    reward_models: list
+    reward_fns: list
+    tokenizer: object
+
+
+@dataclass
+class Scores:
+    """What score_responses returns for a batch of B responses."""
+
+    raw: torch.Tensor  # (B,) the reward models' minimum plus the rules' weighted sum, failed rewards replaced
+    metrics: dict  # {metric key: (B,)} the rules' weighted sum, and each rule's scores when there are several
+    texts: list  # the responses as text
+    failed: int  # how many responses' rewards failed
+
+
 @torch.no_grad()
-def score_responses(reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, rows, args, stops=None):
+def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None):
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
-    plus the rules' weighted sum; also the rules' scores to log (B,) each, the texts and how many failed."""
-    texts = tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
+    plus the rules' weighted sum. A failed reward is a reason to stop (in stops), or replaced (--on_reward_error)."""
+    texts = scorer.tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
     last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+    size = args.micro_batch_size
     rm_scores = []  # K x (B,)
-    for rm, own_tokenizer in reward_models:
+    for reward_model, own_tokenizer in scorer.reward_models:
         if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
             values = in_chunks(
-                lambda i, m, p: head_outputs(rm, i, m)[:, p:], args.micro_batch_size, input_ids, attention_mask, P
+                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, p:], size, input_ids, attention_mask, P
             )  # (B, T)
             rm_scores.append(values[torch.arange(len(texts)), last])
         else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
-            ids, mask = reward_model_inputs(
-                own_tokenizer, [row[args.prompt_field] for row in rows], texts, input_ids.device
-            )
-            rm_scores.append(
-                in_chunks(
-                    lambda i, m, p: head_outputs(rm, i, m)[:, -1:], args.micro_batch_size, ids, mask, ids.shape[1] - 1
-                )[:, 0]
-            )
-    rules, why = {}, "not a finite number"  # {name: (B,) its scores, nan where it failed}
-    for name, fn in reward_fns:
-        scores, reason = call_reward_fn(fn, texts, [row.get(args.answer_field) for row in rows], args.reward_timeout)
+            prompts = [row[args.prompt_field] for row in rows]
+            ids, mask = reward_model_inputs(own_tokenizer, prompts, texts, input_ids.device)
+            last_column = in_chunks(
+                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, -1:], size, ids, mask, ids.shape[1] - 1
+            )  # (B, 1)
+            rm_scores.append(last_column[:, 0])
+    rules = {}  # {name: (B,) its scores, nan where it failed}
+    why = None  # why the first rule that failed did
+    answers = [row.get(args.answer_field) for row in rows]
+    for name, fn in scorer.reward_fns:
+        scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout)
         rules[name] = torch.tensor(scores, device=input_ids.device)
-        if why == "not a finite number" and not (reason and rules[name].isfinite().all()):  # the first that failed
-            why = reason and (f"{reason} (--reward_fn {name})" if len(reward_fns) > 1 else reason)
-    weighted = [w * x for w, x in zip(args.reward_weights or [1.0] * len(rules), rules.values())]
-    rule_scores = functools.reduce(torch.add, weighted) if rules else None  # (B,)
-    score, errors = failed_rewards(
-        combine_scores(rm_scores, rule_scores), why, texts, tokenizer, input_ids[:, :P], args, stops
-    )
-    logged = {"objective/accuracy": rule_scores, **{f"reward/{k}": x for k, x in rules.items() if len(rules) > 1}}
-    return score, {k: x.nan_to_num(0.0) for k, x in logged.items()} if rules else {}, texts, errors
+        if why is None and reason is not None:
+            why = reason
+            if len(scorer.reward_fns) > 1:
+                why = f"{reason} (--reward_fn {name})"
+    rule_reward = None  # (B,) the rules' weighted sum
+    if rules:
+        weights = args.reward_weights or [1.0] * len(rules)
+        rule_reward = functools.reduce(torch.add, [w * x for w, x in zip(weights, rules.values())])
+    score = combine_scores(rm_scores, rule_reward)
+    prompt_ids = input_ids[:, :P]
+    score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
+    metrics = {}
+    if rules:
+        metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
+    if len(rules) > 1:
+        for name, x in rules.items():
+            metrics[f"reward/{name}"] = x.nan_to_num(0.0)
+    return Scores(score, metrics, texts, failed)
 
 
-def combine_scores(rm_scores, rule_scores=None):
+def combine_scores(rm_scores, rule_reward=None):
     """The minimum over reward models (the ensemble fix for reward exploitation), plus any rule reward: (B,)."""
-    score = torch.stack(rm_scores).min(0).values if rm_scores else torch.zeros_like(rule_scores)
-    return score + rule_scores if rule_scores is not None else score
+    if rm_scores:
+        score = torch.stack(rm_scores).min(0).values
+    else:
+        score = torch.zeros_like(rule_reward)
+    if rule_reward is not None:
+        score = score + rule_reward
+    return score
 
 
 def sample_token(logits, uniforms, temperature):
@@ -504,24 +559,25 @@ def sample_token(logits, uniforms, temperature):
     return token, token_logprobs(logits, token, temperature, check_range=False)  # drawn here: in range, no host sync
 
 
+@dataclass
+class Sampling:
+    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
+    that fills a row after its end, and the decode loop (--decode)."""
+
+    max_new_tokens: int
+    temperature: float
+    stop_ids: torch.Tensor
+    pad_token_id: int
+    decode: str = "dynamic"
+
+
 @torch.no_grad()
-def generate(
-    policy,
-    prompt_ids,
-    prompt_mask,
-    max_new_tokens,
-    temperature,
-    stop_ids,
-    pad_token_id,
-    uniforms=None,
-    decode="dynamic",
-):
+def generate(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
     """Sample responses (B, T) to left-padded prompts (B, P) with a KV cache, with the log-prob of each token from the
     logits it was drawn from (logprobs_old) and the mask up to and including its stop token. Token t of row b is drawn
-    by uniforms[b, t], drawn beforehand so that no response depends on its batch (none: greedy). --decode static and
-    cuda_graph run the same steps over buffers of fixed shape (static_decode, below the banner)."""
+    by uniforms[b, t], drawn beforehand so that no response depends on its batch (none: greedy)."""
     hold_full_parameters(policy, hold=True)
-    cache, attention_mask = DynamicCache(), prompt_mask
+    cache = DynamicCache()
     unique, copies = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
     ids, mask = unique.tensor_split([prompt_ids.shape[1]], 1)  # (U, P) each: the U prompts unlike the row before
     logits = policy(
@@ -534,19 +590,23 @@ def generate(
     ).logits[copies, -1]  # the last position's alone: (B, V)
     cache.reorder_cache(copies)  # a group's prompt encoded once, its keys and values repeated for its rows: (B, ...)
     next_position = position_ids_from(prompt_mask)[:, -1:] + 1  # (B, 1)
-    if decode != "dynamic":  # the steps below over buffers of fixed shape, each a CUDA graph with cuda_graph
-        return static_decode(
-            policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms, decode
-        )
+    if sampling.decode != "dynamic":
+        # On a GPU --decode auto is cuda_graph: StaticDecoder, below the banner, runs this loop's steps over buffers
+        # of fixed shape, each step one CUDA graph; the same draws give the same tokens.
+        return static_decode(policy, cache, logits, prompt_mask, sampling, uniforms)
+    attention_mask = prompt_mask
     done = torch.zeros_like(prompt_ids[:, 0], dtype=torch.bool)  # (B,)
-    tokens, logprobs, masks = [], [], []
-    for step in range(max_new_tokens):
-        token, logprob = sample_token(logits, None if uniforms is None else uniforms[:, step], temperature)
+    tokens = []
+    logprobs = []
+    masks = []
+    for step in range(sampling.max_new_tokens):
+        step_uniforms = None if uniforms is None else uniforms[:, step]  # (B,); None: greedy
+        token, logprob = sample_token(logits, step_uniforms, sampling.temperature)
         masks.append(~done)
-        tokens.append(torch.where(done, pad_token_id, token))
+        tokens.append(torch.where(done, sampling.pad_token_id, token))
         logprobs.append(torch.where(done, 0.0, logprob))
-        done = done | torch.isin(token, stop_ids)
-        if done.all() or step == max_new_tokens - 1:
+        done = done | torch.isin(token, sampling.stop_ids)
+        if done.all() or step == sampling.max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         out = policy(
@@ -556,7 +616,8 @@ def generate(
             cache=cache,
             use_cache=True,
         )
-        logits, next_position = out.logits[:, -1], next_position + 1
+        logits = out.logits[:, -1]
+        next_position = next_position + 1
     hold_full_parameters(policy, hold=False)
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
 
@@ -575,7 +636,11 @@ class ValueHead(torch.nn.Module):
         self.__dict__["policy"] = policy  # not registered: the trunk's weights belong to the policy and its optimiser
         self.score = torch.nn.Linear(policy.config.hidden_size, 1, bias=False, device=policy.device)
         torch.nn.init.zeros_(self.score.weight)  # V = 0 everywhere at the start
-        policy.get_output_embeddings().register_forward_hook(lambda m, x, _: setattr(self, "trunk_output", x[0]))
+        policy.get_output_embeddings().register_forward_hook(self.keep_trunk_output)
+
+    def keep_trunk_output(self, head, inputs, output):
+        """A hook on the policy's LM head: the trunk's output it reads, (B, L, H), for the value head to read too."""
+        self.trunk_output = inputs[0]
 
     def forward(self, hidden=None, **inputs):
         """V at every position (B, L, 1), from the trunk's output of a forward already run, or of its own."""
@@ -628,7 +693,7 @@ def validate(args):
 # What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
 PRINTED = [
     ("score", "objective/score", "+.3f"),
-    ("acc", "objective/accuracy", ".3f"),
+    ("rule", "objective/rule_reward", ".3f"),
     ("kl", "objective/kl", ".2f"),
     ("beta", "objective/kl_coef", ".3f"),
     ("len", "response/length", ".1f"),
@@ -648,22 +713,23 @@ def main(args):
     rank, device = start_processes(args)
     validate(args)
     torch.manual_seed(args.seed)  # the same on every process: new weights (a head, adapters) start the same
-    tokenizer, prompts, rows, held_out, stop_ids, reward_fns = load_task(args, device)
+    tokenizer, prompts, rows, held_out, sampling, reward_fns = load_task(args, device)
     # <<< shared: set-up
     responses_per_iteration = args.rollout_batch_size
     args.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
+    scorer = Scorer(reward_models, reward_fns, tokenizer)
     models = {"policy": policy, "value": value_model}
     optimizers = {
-        k: torch.optim.AdamW(m.parameters(), lr=lr, eps=1e-5, fused=True)
-        for (k, m), lr in zip(models.items(), (args.learning_rate, args.value_learning_rate))
+        "policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True),
+        "value": torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5, fused=True),
     }
     all_models = [policy, ref_policy, *[rm for rm, _ in reward_models], value_model]
     # Everything besides the models and optimisers that a resumed run needs, in one place.
-    state = (
-        load_checkpoint(args.resume, models, optimizers)
-        if args.resume
-        else dict(
+    if args.resume:
+        state = load_checkpoint(args.resume, models, optimizers)
+    else:
+        state = dict(
             iteration=0,
             episodes=0,
             data_epoch=0,
@@ -677,18 +743,19 @@ def main(args):
             skipped_steps=0,
             elapsed=0.0,
         )
-    )
     # >>> shared: outputs and the starting policy's held-out score
-    log, stops = Log(args, state, rank, tokenizer), catch_stop_signals()
-    if held_out[0] and state.setdefault("eval_due", not args.resume):  # iteration 0's, or one a failed reward left
-        log.evaluation(
-            evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state), state
-        )
-        stop_and_save(stops, args, models, optimizers, state, rank, device)
+    log = Log(args, state, rank, tokenizer)
+    stops = catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
+    if held_out[0]:  # iteration 0's evaluation, or one that a failed reward left to the resumed run
+        state.setdefault("eval_due", not args.resume)
+    if state.get("eval_due"):
+        log.evaluation(evaluate(policy, scorer, sampling, held_out, args, stops, state), state)
+        save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device)
     # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
-        t0, state_before = time.time(), dict(state)  # what a stop before the update saves
+        clock = Stopwatch()
+        state_before = dict(state)  # what a stop before the update saves
         # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
         idx, width = next_prompts(prompts, state, args, rank)  # width: the longest prompt on any process
         prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)  # (B, P)
@@ -698,29 +765,20 @@ def main(args):
         # >>> shared: generate and score
         rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
         uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
-        responses, logprobs_old, response_mask = generate(
-            policy,
-            prompt_ids,
-            prompt_mask,
-            args.response_length,
-            args.temperature,
-            stop_ids,
-            tokenizer.pad_token_id,
-            uniforms,
-            args.decode,
-        )  # (B, T) each
-        input_ids, attention_mask = torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask], 1)
-        t_generate = time.time() - t0
-        raw_score, rule_scores, texts, reward_errors = score_responses(  # (B,); a failing reward: a reason to stop
-            reward_models, reward_fns, tokenizer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops
-        )
-        has_eos = torch.isin(responses, stop_ids).any(1)  # (B,) ended by EOS or the end of turn
+        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
+        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
+        clock.lap("generate")
+        scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+        has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) the tokens the loss reads
-        stop_and_save(stops, args, models, optimizers, state_before, rank, device)  # a signal so far: drop it
+        save_and_exit_if_asked(stops, args, models, optimizers, state_before, rank, device)  # a failed reward, a signal
         # <<< shared: generate and score
 
         with torch.no_grad():
-            score = normalize_scores(raw_score, state, args.rollout_batch_size) if args.normalize_reward else raw_score
+            score = scores.raw  # (B,)
+            if args.normalize_reward:
+                score = normalize_scores(score, state, args.rollout_batch_size)
             score = torch.where(has_eos | args.mask_truncated, score, score - args.missing_eos_penalty)
 
             # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
@@ -745,9 +803,9 @@ def main(args):
                 * response_mask
             )  # (B, T)
             rewards, kl = per_token_rewards(score, logprobs_old, logprobs_ref, response_mask, state["kl_coef"])
-            advantages, returns = gae_advantages(rewards, values_old, response_mask, args.gamma, args.lam)
-            raw_advantages, advantages = advantages, masked_whiten(advantages, response_mask)
-        t_score = time.time() - t0 - t_generate
+            raw_advantages, returns = gae_advantages(rewards, values_old, response_mask, args.gamma, args.lam)
+            advantages = masked_whiten(raw_advantages, response_mask)  # (B, T)
+        clock.lap("score")
 
         # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
         rollout = gather_rows(
@@ -755,6 +813,7 @@ def main(args):
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 response_mask=response_mask,
+                has_eos=has_eos.float(),
                 logprobs_old=logprobs_old,
                 advantages=advantages,
                 values_old=values_old,
@@ -764,7 +823,7 @@ def main(args):
         )
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
         adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
-        for epoch in range(args.num_epochs):
+        for _epoch in range(args.num_epochs):
             perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
@@ -782,7 +841,7 @@ def main(args):
                         values = value_model(hidden=value_model.trunk_output).squeeze(-1).float()[:, :-1]
                     else:
                         values = head_outputs(value_model, micro["input_ids"], micro["attention_mask"])[:, p - 1 : -1]
-                    pg_loss, ratio, pg_clipped = policy_loss(
+                    pg_loss, ratio, pg_clipped = clip_loss(
                         logprobs, micro["logprobs_old"], micro["advantages"], args.clip_range, args.clip_range
                     )
                     vf_loss, vf_clipped = value_loss(
@@ -805,7 +864,9 @@ def main(args):
                         },
                     )
                 # >>> shared: optimiser step
-                grad_norms = {k: clip_grad_norm_(m.parameters(), args.max_grad_norm) for k, m in models.items()}
+                grad_norms = {}
+                for name, model in models.items():
+                    grad_norms[name] = clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 if step_is_finite(grad_norms, stats, state, iteration, args):  # a nan or inf gradient: no step
                     for optimizer in optimizers.values():
                         optimizer.step()
@@ -814,37 +875,25 @@ def main(args):
                     optimizer.zero_grad(set_to_none=True)
                 # <<< shared: optimiser step
         adapter_dropout(models.values(), on=False)
-        t_optimize = time.time() - t0 - t_generate - t_score
+        clock.lap("optimize")
 
         # --- 6. the dashboard: batch statistics over all processes ---
         # >>> shared: dashboard
-        state["iteration"], state["episodes"] = iteration, state["episodes"] + responses_per_iteration
-        m = dashboard(
-            stats,
-            state,
-            raw_score,
-            rule_scores,
-            has_eos,
-            response_mask,
-            rollout,
-            P,
-            reward_errors,
-            (t0, t_generate, t_score, t_optimize),
-            all_models,
-            optimizers,
-            responses_per_iteration,
-            args,
-        )
+        state["iteration"] = iteration
+        state["episodes"] += responses_per_iteration
+        m = dashboard(stats, state, scores, rollout, clock, args)
+        m["memory/model_states_mb"] = megabytes_held(all_models, optimizers.values())  # this process's (rank 0's)
         # <<< shared: dashboard
         seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
-        var_residual, var_returns = (masked_var(x, response_mask).item() for x in (returns - values_old, returns))
+        var_residual = masked_var(returns - values_old, response_mask).item()
+        var_returns = masked_var(returns, response_mask).item()
         m.update(
             {
                 "objective/score_normalized": global_mean(score),
                 "objective/kl": global_mean(seq_kl),
                 "objective/kl_coef": state["kl_coef"],
                 "objective/non_score_reward": global_mean(-state["kl_coef"] * seq_kl),
-                "objective/rlhf_reward": global_mean(raw_score - state["kl_coef"] * seq_kl),
+                "objective/rlhf_reward": global_mean(scores.raw - state["kl_coef"] * seq_kl),
                 "val/explained_variance": 1 - var_residual / max(var_returns, 1e-8),
                 "val/mean": masked_mean(values_old, response_mask).item(),
                 "adv/mean": masked_mean(raw_advantages, response_mask).item(),
@@ -861,11 +910,11 @@ def main(args):
         # --- 8. held-out score, alarms for the classic failure modes, the log; 9. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state))
-        log.iteration(m, state, prompt_ids, texts, raw_score)
+            m.update(evaluate(policy, scorer, sampling, held_out, args, stops, state))
+        log.iteration(m, state, prompt_ids, scores.texts, scores.raw)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
-        stop_and_save(stops, args, models, optimizers, state, rank, device)
+        save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device)
 
     # --- last: the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
     finish(policy, tokenizer, log, state, args, rank)
@@ -878,7 +927,8 @@ def main(args):
 # ---- processes, the task and loading
 def start_processes(args):
     """One process per device under torchrun, none in a plain run: sets args.world_size, returns rank and device."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     hf_logging.disable_progress_bar()  # transformers' loading and saving bars; the run's own bar stays
     if "WORLD_SIZE" in os.environ:
@@ -894,20 +944,27 @@ def start_processes(args):
 
 
 def load_task(args, device):
-    """The tokenizer, prompts and rows, held-out (prompts, rows), stop tokens and rule reward, before any model."""
+    """The tokenizer, prompts and rows, held-out (prompts, rows), how to sample and the rules, before any model."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
     if tokenizer.pad_token_id is None:
-        warnings.warn("the tokenizer has no pad token; using EOS as pad (masks, not ids, say what is padding).")
+        warnings.warn(
+            "the tokenizer has no pad token; using EOS as pad (masks, not ids, say what is padding).", stacklevel=2
+        )
         tokenizer.pad_token = tokenizer.eos_token
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)  # the chat template tried first
+    sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, args.decode)
     prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
-    if not (eval_path := held_out_dataset(args)) and args.eval_every:
-        warnings.warn(f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated.")
-    held_out = load_prompts(eval_path, args.eval_split, args, tokenizer) if eval_path else ([], [])
+    eval_path = held_out_dataset(args)
+    held_out = ([], [])
+    if eval_path:
+        held_out = load_prompts(eval_path, args.eval_split, args, tokenizer)
+    elif args.eval_every:
+        message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
+        warnings.warn(message, stacklevel=2)
     reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
-    return tokenizer, prompts, rows, held_out, stop_ids, reward_fns
+    return tokenizer, prompts, rows, held_out, sampling, reward_fns
 
 
 def check_model_path(path, kind, what):
@@ -922,8 +979,11 @@ def check_model_path(path, kind, what):
         raise SystemExit(
             f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
             "written by save_pretrained or a hub model name (the hub needs the network)."
-        )
-    archs, files = config.architectures or [], os.listdir(path) if os.path.isdir(path) else None
+        ) from None
+    archs = config.architectures or []
+    files = None  # a hub model's are not listed
+    if os.path.isdir(path):
+        files = os.listdir(path)
     heads = {"causal LM": ("ForCausalLM", "LMHeadModel"), "sequence classifier": ("ForSequenceClassification",)}
     problem = None
     if kind in heads and not any(a.endswith(heads[kind]) for a in archs):
@@ -1013,11 +1073,9 @@ class AdaptersOff(torch.nn.Module):
 
 def load_reference(args, policy, device):
     """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
-    return (
-        AdaptersOff(policy)
-        if args.lora_r
-        else load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
-    )
+    if args.lora_r:
+        return AdaptersOff(policy)
+    return load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
 
 
 def lora_policy_to_save(weights, args):
@@ -1029,7 +1087,9 @@ def lora_policy_to_save(weights, args):
     )
     model = get_peft_model(base, lora_config(args, "CAUSAL_LM"))
     model.load_state_dict(weights)
-    return model if args.save_adapters_only else model.merge_and_unload()
+    if args.save_adapters_only:
+        return model
+    return model.merge_and_unload()
 
 
 def load_reward_models(args, tokenizer, device):
@@ -1046,7 +1106,8 @@ def load_reward_models(args, tokenizer, device):
             own = None
         if own is not None and own.pad_token_id is None:
             own.pad_token = own.eos_token or own.unk_token
-        reads, n = own or tokenizer, AutoConfig.from_pretrained(path).vocab_size  # checked before the weights load
+        reads = own or tokenizer
+        n = AutoConfig.from_pretrained(path).vocab_size  # checked before the weights load
         if reads.pad_token_id is None or len(reads) > n:  # a token to pad with, and ids the model can embed
             raise SystemExit(
                 f"the tokenizer beside --reward_model_path '{path}' has no pad, EOS or unk token, or more "
@@ -1073,8 +1134,10 @@ def hold_full_parameters(model, *, hold):
     """While sampling, an FSDP2 policy holds its blocks gathered: one all-gather per rollout, not per token."""
     if isinstance(model, FSDPModule):
         model.set_reshard_after_forward(not hold)  # for every unit
-        for module in [] if hold else [m for m in model.modules() if isinstance(m, FSDPModule)]:
-            module.reshard()
+        if not hold:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
 
 def megabytes_held(models, optimizers):
@@ -1103,39 +1166,43 @@ def gather_rows(tensors):
 STATIC_DECODERS = {}  # (policy, batch, sampling settings) -> StaticDecoder, kept from call to call
 
 
-def static_decode(
-    policy, cache, logits, prompt_mask, max_new_tokens, temperature, stop_ids, pad_token_id, uniforms, decode
-):
+def static_decode(policy, cache, logits, prompt_mask, sampling, uniforms):
     """generate's decode steps from its prefill on buffers of fixed shape: a StaticDecoder per batch size, grown."""
     B, P = prompt_mask.shape
-    stop_ids = torch.as_tensor(stop_ids, device=logits.device).view(-1)  # (S,), from one id too
-    graphs = decode == "cuda_graph" and logits.is_cuda
-    key = (policy, B, max_new_tokens, pad_token_id, len(stop_ids), graphs)
-    if key not in STATIC_DECODERS or STATIC_DECODERS[key].width < P + max_new_tokens:
+    T = sampling.max_new_tokens
+    graphs = sampling.decode == "cuda_graph" and logits.is_cuda
+    key = (policy, B, T, sampling.pad_token_id, torch.as_tensor(sampling.stop_ids).numel(), graphs)
+    if key not in STATIC_DECODERS or STATIC_DECODERS[key].width < P + T:
         STATIC_DECODERS.pop(key, None)  # the narrower one's memory goes before the wider one's comes
-        width = -(-(P + max_new_tokens) // 64) * 64
-        STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs)
-    return STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, temperature)
+        width = -(-(P + T) // 64) * 64
+        STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, sampling, graphs)
+    return STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, sampling.temperature)
 
 
 class StaticDecoder:
     """generate's decode steps on buffers allocated once, counters on the device: on CUDA a step is one CUDA graph."""
 
-    def __init__(self, policy, logits, width, max_new_tokens, pad_token_id, stop_ids, graphs):
-        B, device = logits.shape[0], logits.device
-        self.cache, self.width = StaticCache(config=policy.config, max_cache_len=width), width
-        self.pad_token_id, self.capture, self.graphs = pad_token_id, graphs, {}  # (temperature, greedy) -> graph
-        self.logits, self.stop_ids = torch.zeros_like(logits), stop_ids.clone()  # (B, V) drawn from next; (S,)
+    def __init__(self, policy, logits, width, sampling, graphs):
+        B = logits.shape[0]
+        device = logits.device
+        max_new_tokens = sampling.max_new_tokens
+        self.width = width
+        self.cache = StaticCache(config=policy.config, max_cache_len=width)
+        self.pad_token_id = sampling.pad_token_id
+        self.capture = graphs  # whether to capture each step as a CUDA graph
+        self.graphs = {}  # (temperature, greedy) -> the captured step, or None where the capture failed
+        self.logits = torch.zeros_like(logits)  # (B, V) the next token is drawn from
+        self.stop_ids = torch.as_tensor(sampling.stop_ids, device=device).view(-1).clone()  # (S,), from one id too
         self.uniforms = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
         long = dict(dtype=torch.long, device=device)
         self.attention_mask = torch.zeros(B, width, **long)  # (B, W) the columns in use
         self.position = torch.zeros(B, 1, **long)  # (B, 1) of the token fed next
-        self.step, self.column = torch.zeros(1, **long), torch.zeros(1, **long)  # t, drawn next; P + t, its column
+        self.step = torch.zeros(1, **long)  # t, the token drawn next
+        self.column = torch.zeros(1, **long)  # P + t, its column
         self.done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-        self.tokens, self.logprobs, self.masks = (
-            torch.zeros(B, max_new_tokens, dtype=dtype, device=device)  # (B, T)
-            for dtype in (torch.long, torch.float32, torch.bool)
-        )
+        self.tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, T)
+        self.logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)  # (B, T)
+        self.masks = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # (B, T)
 
     def run(self, policy, cache, logits, prompt_mask, uniforms, temperature):
         """The steps from generate's prefill on, for prompts (B, P); returns what generate returns."""
@@ -1148,7 +1215,9 @@ class StaticDecoder:
             self.uniforms.copy_(uniforms)
         self.attention_mask.zero_()[:, :P] = prompt_mask
         self.position.copy_(position_ids_from(prompt_mask)[:, -1:] + 1)
-        self.step.zero_(), self.column.fill_(P), self.done.zero_()
+        self.step.zero_()
+        self.column.fill_(P)
+        self.done.zero_()
         every = 8 if logits.is_cuda else 1  # the stop test is a host sync: on CUDA every 8 steps (pads fed meanwhile)
         for step in range(self.tokens.shape[1]):
             self.advance(policy, (temperature, uniforms is None))
@@ -1158,26 +1227,32 @@ class StaticDecoder:
         hold_full_parameters(policy, hold=False)
         return self.tokens[:, :T].clone(), self.logprobs[:, :T].clone(), self.masks[:, :T].long()
 
-    def advance(self, policy, sampling):
-        """One step: replayed where it was captured, else run op by op (on CUDA, captured after its first run)."""
-        if self.graphs.get(sampling) is not None:
-            return self.graphs[sampling].replay()
-        if not self.capture or sampling in self.graphs:  # no capture here, or it failed
-            return self.step_once(policy, *sampling)
+    def advance(self, policy, mode):
+        """One step of mode (temperature, greedy): replayed where it was captured, else run op by op (on CUDA,
+        captured after its first run)."""
+        if self.graphs.get(mode) is not None:
+            self.graphs[mode].replay()
+            return
+        if not self.capture or mode in self.graphs:  # no capture here, or it failed
+            self.step_once(policy, *mode)
+            return
         # one step op by op on the capture's stream (Triton compiles, cuBLAS sets up), then the capture: it runs nothing
-        stream, graph, self.graphs[sampling] = torch.cuda.Stream(), torch.cuda.CUDAGraph(), None
+        self.graphs[mode] = None  # until the capture succeeds
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.step_once(policy, *sampling)
+            self.step_once(policy, *mode)
         torch.cuda.current_stream().wait_stream(stream)
         try:
             with torch.cuda.graph(graph, stream=stream):
-                self.step_once(policy, *sampling)
-            self.graphs[sampling] = graph
+                self.step_once(policy, *mode)
+            self.graphs[mode] = graph
         except RuntimeError as e:  # a layer that reads a value on the host (a routed MoE's expert list, say)
             warnings.warn(
                 f"the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); it runs "
-                "op by op, as with --decode static."
+                "op by op, as with --decode static.",
+                stacklevel=2,
             )
 
     def step_once(self, policy, temperature, greedy):
@@ -1207,43 +1282,62 @@ def read_rows(path, split, args):
     """The rows (dicts): a local .json/.jsonl file (a bad line named), .csv or .parquet (compressed too), or a hub's."""
     local = re.search(r"\.(jsonl?|csv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
     if local and not os.path.isfile(path):
+        what = "is a folder" if os.path.isdir(path) else "does not exist"
         raise SystemExit(
-            f"dataset file '{path}' {'is a folder' if os.path.isdir(path) else 'does not exist'}; pass a "
+            f"dataset file '{path}' {what}; pass a "
             f'file of {{"{args.prompt_field}": ...}} rows (.jsonl, .csv, .parquet) or a hub dataset.'
         )
-    if not local or local[2] or local[1].lower() in ("csv", "parquet"):
+    if not local:
+        return read_hub_rows(path, split, args)
+    if local[2] or local[1].lower() in ("csv", "parquet"):  # compressed, or not JSON: datasets reads it
         from datasets import load_dataset
 
         try:  # a local file by its kind, as datasets names them (json, csv, parquet)
-            return list(
-                load_dataset(local[1].lower().rstrip("l"), data_files=path, split="train")
-                if local
-                else load_dataset(path, args.dataset_config, split=split)
-            )
+            return list(load_dataset(local[1].lower().rstrip("l"), data_files=path, split="train"))
         except Exception as e:  # datasets wraps a file's errors in its own
             raise SystemExit(
-                f"{'dataset file' if local else 'hub dataset'} '{path}' could not be loaded "
-                f"({type(e).__name__}: {e}); check "
-                + (
-                    "its contents."
-                    if local
-                    else f"its name, the split '{split}', --dataset_config {args.dataset_config} and the network."
-                )
-            )
+                f"dataset file '{path}' could not be loaded ({type(e).__name__}: {e}); check its contents."
+            ) from None
     raw = pathlib.Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise SystemExit(f"line {line} of '{path}' is not UTF-8 text (byte {raw[e.start]:#04x}); save it as UTF-8.")
-    whole = path.lower().endswith(".json") and text.lstrip().startswith("[")  # one JSON list, else a JSON object a line
+        raise SystemExit(
+            f"line {line} of '{path}' is not UTF-8 text (byte {raw[e.start]:#04x}); save it as UTF-8."
+        ) from None
+    whole = path.lower().endswith(".json") and text.lstrip().startswith("[")  # one JSON list, else an object a line
+    lines = text.splitlines()
+    if whole:
+        lines = [text]
     rows = []
-    for number, line in enumerate([text] if whole else text.splitlines(), 1):
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
         try:
-            rows += json.loads(line) if whole else [json.loads(line)] if line.strip() else []
+            parsed = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"line {number + e.lineno - 1} of '{path}' is not valid JSON ({e.msg}); fix that line.")
+            raise SystemExit(
+                f"line {number + e.lineno - 1} of '{path}' is not valid JSON ({e.msg}); fix that line."
+            ) from None
+        if whole:
+            rows.extend(parsed)
+        else:
+            rows.append(parsed)
     return rows
+
+
+def read_hub_rows(name, split, args):
+    """The rows (dicts) of a hub dataset's split."""
+    from datasets import load_dataset
+
+    try:
+        return list(load_dataset(name, args.dataset_config, split=split))
+    except Exception as e:  # datasets wraps a file's errors in its own
+        raise SystemExit(
+            f"hub dataset '{name}' could not be loaded ({type(e).__name__}: {e}); check its name, the split "
+            f"'{split}', --dataset_config {args.dataset_config} and the network."
+        ) from None
 
 
 def load_prompts(path, split, args, tokenizer):
@@ -1274,7 +1368,11 @@ def load_prompts(path, split, args, tokenizer):
                 f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
                 'a list of {"role", "content"} messages.'
             )
-        if not (prompt.strip() if isinstance(prompt, str) else any(str(m["content"]).strip() for m in prompt)):
+        if isinstance(prompt, str):
+            empty = not prompt.strip()
+        else:
+            empty = not any(str(m["content"]).strip() for m in prompt)
+        if empty:
             raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row.")
         if re.search("[\ud800-\udfff]", str(prompt)):  # half of a UTF-16 pair, which no tokenizer reads
             raise SystemExit(f"row {n} of '{path}' holds a lone surrogate (half of a UTF-16 pair); fix its text.")
@@ -1283,15 +1381,14 @@ def load_prompts(path, split, args, tokenizer):
                 f"row {n} of '{path}' needs a chat template, but the tokenizer of "
                 f"'{args.model_name_or_path}' has none; save one with it, or drop --chat_template."
             )
-    texts = [row[args.prompt_field] for row in rows]  # chat (with --chat_template, every prompt) through the template
-    texts = [
-        t
-        if isinstance(t, str) and not args.chat_template
-        else tokenizer.apply_chat_template(
-            [{"role": "user", "content": t}] if isinstance(t, str) else t, add_generation_prompt=True, tokenize=False
-        )
-        for t in texts
-    ]
+    texts = []
+    for row in rows:  # chat messages (with --chat_template, every prompt) through the template
+        prompt = row[args.prompt_field]
+        if isinstance(prompt, str) and args.chat_template:
+            prompt = [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, str):
+            prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        texts.append(prompt)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
     if too_long and not args.truncate_prompts:
@@ -1302,7 +1399,7 @@ def load_prompts(path, split, args, tokenizer):
             f"{longest + 1}, has {len(prompts[longest])} tokens); raise it, or pass --truncate_prompts."
         )
     if too_long:
-        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens.")
+        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens.", stacklevel=2)
         prompts = [p[-args.max_prompt_length :] for p in prompts]
     if min(map(len, prompts)) == 0:  # text the tokenizer makes nothing of
         raise SystemExit(f"row {[len(p) for p in prompts].index(0) + 1} of '{path}' is a prompt of no tokens; drop it.")
@@ -1315,7 +1412,9 @@ def stop_token_ids(tokenizer, path):
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # the model has no generation_config.json
         eos = None
-    ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos]) - {None}
+    if not isinstance(eos, list):
+        eos = [eos]
+    ids = {tokenizer.eos_token_id} | set(eos) - {None}
     if tokenizer.chat_template is not None:
         turns = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
         try:  # a template that raises, or that leaves the answer out (no "2")
@@ -1325,7 +1424,7 @@ def stop_token_ids(tokenizer, path):
             raise SystemExit(
                 f"the chat template of '{path}' fails on a user turn and its answer ({type(e).__name__}: "
                 f"{e}); fix it (tokenizer_config.json), or pass a tokenizer without one."
-            )
+            ) from None
         if after and after[0] in tokenizer.added_tokens_decoder and tokenizer.added_tokens_decoder[after[0]].special:
             ids.add(after[0])
     return torch.tensor(sorted(ids))
@@ -1333,16 +1432,21 @@ def stop_token_ids(tokenizer, path):
 
 def held_out_dataset(args):
     """--eval_dataset, else the test.jsonl beside a local train.jsonl --dataset; None with --eval_every 0 or none."""
-    if args.eval_every == 0 or args.eval_dataset:
-        return args.eval_dataset if args.eval_every else None
+    if args.eval_every == 0:
+        return None
+    if args.eval_dataset:
+        return args.eval_dataset
     beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
-    return beside if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside) else None
+    if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside):
+        return beside
+    return None
 
 
 def next_prompts(prompts, state, args, rank):
     """This process's prompts (dataset indices) from one shuffled order per epoch, and the longest on any process."""
     if state["data_cursor"] + args.rollout_batch_size > len(prompts):
-        state["data_epoch"], state["data_cursor"] = state["data_epoch"] + 1, 0
+        state["data_epoch"] += 1
+        state["data_cursor"] = 0
     shuffle = torch.Generator().manual_seed(args.seed + state["data_epoch"])
     order = torch.randperm(len(prompts), generator=shuffle).tolist()
     batch = [order[(state["data_cursor"] + i) % len(prompts)] for i in range(args.rollout_batch_size)]  # for all
@@ -1352,33 +1456,28 @@ def next_prompts(prompts, state, args, rank):
 
 
 # ---- rewards and evaluation
-def failed_rewards(score, why, texts, tokenizer, prompt_ids, args, stops):
-    """Scores (B,) that are not finite stop the run (in stops), or go below the batch's lowest; with their count."""
+def replace_failed_scores(score, why, texts, tokenizer, prompt_ids, args, stops):
+    """Scores (B,) that are not finite: a reason to stop (in stops; none given: raised), or with --on_reward_error
+    penalty put below the batch's lowest. why says what failed (None: a score is not finite). Returns (B,), count."""
     bad = ~torch.isfinite(score)
-    failure = (
-        None
-        if why
-        else (
-            "the reward function raises on the whole batch but on no single response; make it "
-            "score a batch as it scores each response."
+    if not bad.any():
+        return score, 0
+    if why is None:
+        why = "not a finite number"
+    i = bad.nonzero()[0, 0].item()
+    which = f"the response {texts[i]!r} to the prompt {tokenizer.decode(prompt_ids[i], skip_special_tokens=True)!r}"
+    if args.on_reward_error == "penalty" and not bad.all():
+        return torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score), int(bad.sum())
+    if args.on_reward_error == "stop":
+        failure = (
+            f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
+            "such responses below the rest of the batch."
         )
-    )
-    if bad.any() and not failure:
-        i = bad.nonzero()[0, 0].item()
-        which = f"the response {texts[i]!r} to the prompt {tokenizer.decode(prompt_ids[i], skip_special_tokens=True)!r}"
-        if args.on_reward_error == "stop":
-            failure = (
-                f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
-                "such responses below the rest of the batch."
-            )
-        elif bad.all():  # no valid score to put them below
-            failure = f"every response of the batch failed its reward ({which} is {why}); fix the reward function."
-        else:
-            score = torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score)
-    if failure and stops is None:
+    else:  # every response failed: no valid score to put them below
+        failure = f"every response of the batch failed its reward ({which} is {why}); fix the reward function."
+    if stops is None:
         raise SystemExit(failure)
-    if failure:
-        stops.append(failure)
+    stops.append(failure)
     return score, int(bad.sum())
 
 
@@ -1396,7 +1495,9 @@ def arithmetic_reward(responses, answers):
 def last_number(text):
     """The last number written in a text ('1,234', '-5', '2.50'), as a float; None when there is none."""
     numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
-    return float(numbers[-1].replace(",", "")) if numbers else None
+    if not numbers:
+        return None
+    return float(numbers[-1].replace(",", ""))
 
 
 def gsm8k_reward(responses, answers):
@@ -1420,14 +1521,18 @@ def load_reward_fn(spec):
         )
     error = None
     try:
-        module = reward_module(where) if where.endswith(".py") else pkgutil.resolve_name(where)
+        if where.endswith(".py"):
+            module = reward_module(where)
+        else:
+            module = pkgutil.resolve_name(where)
     except BaseException as e:  # sys.exit() at import too
         error = (
             f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the "
             "module's name and that it is importable from here."
         )
-    if error := next((e for e in all_processes(error) if e), None):  # on any process: every one stops, rank 0 says it
-        raise SystemExit(error)
+    errors = [e for e in all_processes(error) if e]  # on any process: every one stops, rank 0 says it
+    if errors:
+        raise SystemExit(errors[0])
     fn = getattr(module, name, None)
     if not callable(fn):
         raise SystemExit(f"--reward_fn {spec}: '{where}' has no function '{name}'; name one it defines.")
@@ -1437,7 +1542,7 @@ def load_reward_fn(spec):
         raise SystemExit(
             f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, "
             "answers); it must take the response texts and their answers and return a score each."
-        )
+        ) from None
     except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
         pass
     return fn
@@ -1448,7 +1553,8 @@ def reward_module(path):
     """A user's reward file as a module: in sys.modules (a process pool pickles it), its folder on sys.path."""
     sys.path.append(os.path.dirname(os.path.abspath(path)))
     found = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-    module = sys.modules[found.name] = importlib.util.module_from_spec(found)
+    module = importlib.util.module_from_spec(found)
+    sys.modules[found.name] = module
     found.loader.exec_module(module)
     return module
 
@@ -1470,30 +1576,49 @@ def call_with_alarm(timeout, fn, *inputs):
 
 
 def call_reward_fn(reward_fn, texts, answers, timeout):
-    """The rule's scores (nan where none) and why they failed: each response alone when the batch's call raises."""
+    """A rule's scores, nan where it gave none, and why it failed (None when nothing did). When the batch's call
+    raises, each response is scored alone, so that the error is pinned on one."""
+    failed = [float("nan")] * len(texts)
     try:
         got = call_with_alarm(timeout, reward_fn, list(texts), list(answers))  # copies in: it may change them
-        listed = list(got) if hasattr(got, "__iter__") and not isinstance(got, (str, bytes, dict)) else None
-        if listed is None or len(listed) != len(texts):  # one float per response, nothing else
-            found = f"a {type(got).__name__}" if listed is None else f"{len(listed)} scores"
-            return [float("nan")] * len(texts), f"nan: the batch's call returned {found} for {len(texts)} responses"
+        if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):  # one float per response, nothing else
+            return failed, f"nan: the batch's call returned a {type(got).__name__} for {len(texts)} responses"
+        listed = list(got)
+        if len(listed) != len(texts):
+            return failed, f"nan: the batch's call returned {len(listed)} scores for {len(texts)} responses"
         scores = [float(x) for x in listed]
-        large = [x for x in scores if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
-        return scores, f"{large[0]:g}, past float32's range" if large else "not a finite number"
     except TimeoutError as e:  # each response alone could hang as long
-        return [float("nan")] * len(texts), f"an error (TimeoutError: {e})"
-    except BaseException:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
-        scores, errors = [], []
-    for text, answer in zip(texts, answers):
+        return failed, f"an error (TimeoutError: {e})"
+    except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
+        return score_each_alone(reward_fn, texts, answers, timeout, f"{type(e).__name__}: {e}")
+    large = [x for x in scores if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
+    if large:
+        return scores, f"{large[0]:g}, past float32's range"
+    if not all(math.isfinite(x) for x in scores):
+        return scores, "not a finite number"
+    return scores, None
+
+
+def score_each_alone(reward_fn, texts, answers, timeout, batch_error):
+    """call_reward_fn's scores and reason when the batch's call raised batch_error: each response alone, until the
+    first that times out (the rest could hang as long)."""
+    scores = [float("nan")] * len(texts)
+    errors = []
+    for i, (text, answer) in enumerate(zip(texts, answers)):
         try:
             (score,) = call_with_alarm(timeout, reward_fn, [text], [answer])  # exactly one, or a ValueError
-            scores.append(float(score))
+            scores[i] = float(score)
         except BaseException as e:
-            scores.append(float("nan"))
             errors.append(f"an error ({type(e).__name__}: {e})")
-            if isinstance(e, TimeoutError):  # the rest could hang as long
+            if isinstance(e, TimeoutError):
                 break
-    return scores + [float("nan")] * (len(texts) - len(scores)), errors[0] if errors else None
+    if errors:
+        return scores, errors[0]
+    reason = (
+        f"nan: the batch's call raised ({batch_error}) but no single response's did; make the reward score a batch "
+        "as it scores each response"
+    )
+    return [float("nan")] * len(texts), reason
 
 
 def reward_model_inputs(own_tokenizer, prompts, texts, device):
@@ -1501,20 +1626,28 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
     sequences = []
     for prompt, text in zip(prompts, texts):
         if own_tokenizer.chat_template is not None:
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            messages = messages + [{"role": "assistant", "content": text}]
+            if isinstance(prompt, str):
+                messages = [{"role": "user", "content": prompt}]
+            else:
+                messages = list(prompt)
+            messages.append({"role": "assistant", "content": text})
             rendered = own_tokenizer.apply_chat_template(messages, tokenize=False)
             sequences.append(own_tokenizer(rendered, add_special_tokens=False)["input_ids"])
         else:
-            prompt = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+            if not isinstance(prompt, str):  # chat messages, as plain text
+                prompt = "\n".join(m["content"] for m in prompt)
             sequences.append(own_tokenizer(prompt + text)["input_ids"])
     return left_pad(sequences, own_tokenizer.pad_token_id, device)
 
 
 @torch.no_grad()
-def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, args, stops, state):
+def evaluate(policy, scorer, sampling, held_out, args, stops, state):
     """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
-    (prompts, rows), rank, device = held_out, dist.get_rank() if dist.is_initialized() else 0, stop_ids.device
+    prompts, rows = held_out
+    rank = 0
+    if dist.is_initialized():
+        rank = dist.get_rank()
+    device = sampling.stop_ids.device
     uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed))
     # a contiguous share each, the last topped up with uncounted copies of the last prompt: the same batches (FSDP)
     share = -(-len(prompts) // args.world_size)
@@ -1525,34 +1658,20 @@ def evaluate(policy, reward_models, reward_fns, tokenizer, stop_ids, held_out, a
         scores = []
         for start in range(0, share, args.eval_batch_size):
             idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.eval_batch_size]]
-            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device)
-            responses, _, response_mask = generate(
-                policy,
-                prompt_ids,
-                prompt_mask,
-                args.response_length,
-                args.temperature,
-                stop_ids,
-                tokenizer.pad_token_id,
-                None if greedy else uniforms[idx].to(device),
-                args.decode,
-            )
+            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], sampling.pad_token_id, device)
+            draws = None if greedy else uniforms[idx].to(device)
+            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, draws)
+            input_ids = torch.cat([prompt_ids, responses], 1)
+            attention_mask = torch.cat([prompt_mask, response_mask], 1)
+            P = prompt_ids.shape[1]
             scores.append(
-                score_responses(
-                    reward_models,
-                    reward_fns,
-                    tokenizer,
-                    torch.cat([prompt_ids, responses], 1),
-                    torch.cat([prompt_mask, response_mask], 1),
-                    prompt_ids.shape[1],
-                    [rows[i] for i in idx],
-                    args,
-                    stops,
-                )[0]
+                score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops).raw
             )
         result[name] = masked_mean(torch.cat(scores), counted).item()
     state["eval_due"] = any(isinstance(r, str) for r in stops)  # a reward failed: the resumed run evaluates again
-    return {} if state["eval_due"] else result
+    if state["eval_due"]:
+        return {}
+    return result
 
 
 # ---- checks and alarms
@@ -1634,7 +1753,8 @@ def check_common_args(args, responses_per_iteration):
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
     require(args, ("reward_fn",), "must name each function once", lambda v: len(set(names)) == len(names))
     require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
-    [load_reward_fn(spec) for spec in args.reward_fn]  # each one loads (or says why) before any model does
+    for spec in args.reward_fn:  # each one loads (or says why) before any model does
+        load_reward_fn(spec)
     # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
@@ -1674,7 +1794,7 @@ def check_common_args(args, responses_per_iteration):
         raise SystemExit(
             f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a "
             "folder you can write."
-        )
+        ) from None
 
 
 def failure_alarms(m, state, args):
@@ -1778,7 +1898,11 @@ def checkpoint_identity(path):
 
 def file_digests(folder, names):
     """{name: {"bytes": size, "sha256": checksum}} of files in folder, on every process, each reading a share."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank = 0
+    world = 1
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        world = dist.get_world_size()
     mine = {}
     for name in names[rank::world]:
         with open(os.path.join(folder, name), "rb") as f:
@@ -1801,26 +1925,33 @@ def checkpoint_damage(path):
     manifest = read_json(os.path.join(path, "manifest.json"))
     try:
         files = {name: entry["sha256"] for name, entry in manifest["files"].items()}
-        assert manifest["sha256"] == digest({k: v for k, v in manifest.items() if k != "sha256"})
-    except (AssertionError, KeyError, TypeError, AttributeError):
+        own_checksum = manifest["sha256"]
+    except (KeyError, TypeError, AttributeError):
+        return "its manifest.json is damaged"
+    if own_checksum != digest({k: v for k, v in manifest.items() if k != "sha256"}):
         return "its manifest.json is damaged"
     named = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))  # a folder renamed, or a manifest of another
     if named and manifest.get("iteration") != int(named[1]):
         return f"its name says iteration {named[1]}, its manifest.json and state.json {manifest.get('iteration')}"
-    if missing := [name for name in sorted(files) if not os.path.isfile(os.path.join(path, name))]:
+    missing = [name for name in sorted(files) if not os.path.isfile(os.path.join(path, name))]
+    if missing:
         return f"{missing[0]} is missing"
     found = file_digests(path, sorted(files))
     changed = [name for name in sorted(files) if found[name]["sha256"] != files[name]]
-    return f"{changed[0]} does not match the checksum it was saved with" if changed else None
+    if changed:
+        return f"{changed[0]} does not match the checksum it was saved with"
+    return None
 
 
 def find_checkpoint(args):
     """--resume as a whole checkpoint of this run, or None ('auto': the newest whole one): runs never mix."""
-    say, held = int(os.environ.get("RANK", 0)) == 0, checkpoints_in(args.output_dir)
+    say = int(os.environ.get("RANK", 0)) == 0
+    held = checkpoints_in(args.output_dir)
     if args.resume == "auto":
         args.resume = None
         for path in reversed(held):
-            if not (damage := checkpoint_damage(path)):
+            damage = checkpoint_damage(path)
+            if damage is None:
                 args.resume = path
                 break
             if say:
@@ -1830,14 +1961,13 @@ def find_checkpoint(args):
                 f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
                 "afresh there, or pass another --output_dir."
             )
-        if say:
-            print(
-                f"--resume auto: resuming from {args.resume}"
-                if args.resume
-                else f"--resume auto: no checkpoint in {args.output_dir}, starting afresh"
-            )
+        if say and args.resume:
+            print(f"--resume auto: resuming from {args.resume}")
+        elif say:
+            print(f"--resume auto: no checkpoint in {args.output_dir}, starting afresh")
     elif args.resume:  # a path: normalised, a whole checkpoint, or one sentence with the newest whole one beside it
-        path = args.resume = os.path.normpath(args.resume)
+        args.resume = os.path.normpath(args.resume)
+        path = args.resume
         if path.endswith(".tmp"):
             raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder); pass --resume auto.")
         if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
@@ -1845,21 +1975,18 @@ def find_checkpoint(args):
                 f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
                 f"{args.output_dir}/checkpoint-N folder, or auto."
             )
-        if damage := checkpoint_damage(path):
-            whole = next(
-                (p for p in reversed(checkpoints_in(os.path.dirname(path))) if p != path and not checkpoint_damage(p)),
-                None,
-            )
-            raise SystemExit(
-                f"checkpoint '{path}' is damaged: {damage}; "
-                + (
-                    f"resume from {whole}, the newest whole checkpoint beside it."
-                    if whole
-                    else "no checkpoint beside it is whole, so start afresh in another --output_dir."
-                )
-            )
+        damage = checkpoint_damage(path)
+        if damage is not None:
+            advice = "no checkpoint beside it is whole, so start afresh in another --output_dir."
+            for other in reversed(checkpoints_in(os.path.dirname(path))):
+                if other != path and checkpoint_damage(other) is None:
+                    advice = f"resume from {other}, the newest whole checkpoint beside it."
+                    break
+            raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; {advice}")
     if held and not args.resume:
-        which = "a run with these arguments" if checkpoint_identity(held[-1]) == run_identity(args) else "another run"
+        which = "another run"
+        if checkpoint_identity(held[-1]) == run_identity(args):
+            which = "a run with these arguments"
         raise SystemExit(
             f"--output_dir '{args.output_dir}' holds the checkpoints of {which} (the newest: "
             f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
@@ -1870,16 +1997,19 @@ def find_checkpoint(args):
             f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
             f"'{args.resume}' there would mix them with its own; pass another --output_dir."
         )
+    if not args.resume:
+        return
     script = os.path.basename(__file__)
-    made_by = checkpoint_identity(args.resume)["script"] if args.resume else script
+    made_by = checkpoint_identity(args.resume)["script"]
     if made_by != script:
         raise SystemExit(
             f"'{args.resume}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
             f"or start {script} in another --output_dir."
         )
-    saved = read_json(os.path.join(args.resume, "args.json")) if args.resume else {}
+    saved = read_json(os.path.join(args.resume, "args.json"))
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
-    if changed := [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]:
+    changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
+    if changed:
         raise SystemExit(
             f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
             f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change)."
@@ -1899,51 +2029,66 @@ def save_checkpoint(args, models, optimizers, state, rank):
     if all_processes(saved and checkpoint_identity(path) == run_identity(args))[0]:  # a stop just after a save
         return path
     refuse_non_finite(models, f"{path} is not written", args)
-
-    def together(step, here=True):  # step() where here is true; the first error of any process, on all of them
-        error = None
-        try:
-            if here:
-                step()
-        except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
-            e = next(iter(e.failures.values())) if isinstance(e, dcp.CheckpointException) else e  # each process's
-            e = e[0] if isinstance(e, tuple) else e  # an error with its traceback
-            error = f"{type(e).__name__}: {e}"[:300]
-        return next((e for e in all_processes(error) if e), None)
-
-    def begin():  # rank 0: the folder, the log so far, the arguments and the state
+    error = first_error_anywhere(begin_checkpoint, tmp, args, state, here=rank == 0)
+    if error is None:
+        error = first_error_anywhere(save_shards, tmp, models, optimizers)
+    if error is None:
+        error = first_error_anywhere(write_manifest, tmp, args, state["iteration"], rank)
+    if error is None:
+        error = first_error_anywhere(complete_checkpoint, tmp, path, args, here=rank == 0)
+    if error is None:
+        return path
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
-        for name, content in (("args.json", asdict(args)), ("state.json", state)):
-            pathlib.Path(tmp, name).write_text(json.dumps(content, indent=2))
+    needed = sum(all_processes(megabytes_held(models.values(), optimizers.values())))
+    if rank == 0:
+        raise SystemExit(write_failure(f"writing {path}", error, args, needed))
+    raise SystemExit(1)
 
-    def shards():  # every process; returns when every process has written (a plain run's alone, as meant)
-        dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
 
-    def rename():  # rank 0: over a stale or damaged checkpoint-N; then the oldest ones and any save cut short go
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
-        cut_short = [
-            os.path.join(args.output_dir, n)
-            for n in os.listdir(args.output_dir)
-            if n.startswith("checkpoint-") and n.endswith(".tmp")
-        ]
-        for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
-            os.remove(old) if os.path.islink(old) else shutil.rmtree(old)  # a link goes, never what it points to
+def first_error_anywhere(step, *inputs, here=True):
+    """step(*inputs) where here is true; then, on every process, the first process's error as text, or None."""
+    error = None
+    try:
+        if here:
+            step(*inputs)
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
+        if isinstance(e, dcp.CheckpointException):
+            e = next(iter(e.failures.values()))  # each process's
+        if isinstance(e, tuple):
+            e = e[0]  # an error with its traceback
+        error = f"{type(e).__name__}: {e}"[:300]
+    errors = [e for e in all_processes(error) if e]
+    if errors:
+        return errors[0]
+    return None
 
-    error = (
-        together(begin, rank == 0)
-        or together(shards)
-        or together(lambda: write_manifest(tmp, args, state["iteration"], rank))
-        or together(rename, rank == 0)
-    )
-    if error:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        needed = sum(all_processes(megabytes_held(models.values(), optimizers.values())))
-        raise SystemExit(write_failure(f"writing {path}", error, args, needed) if rank == 0 else 1)
-    return path
+
+def begin_checkpoint(tmp, args, state):
+    """Rank 0: the checkpoint's folder, with the log so far, the arguments and the state."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
+    pathlib.Path(tmp, "args.json").write_text(json.dumps(asdict(args), indent=2))
+    pathlib.Path(tmp, "state.json").write_text(json.dumps(state, indent=2))
+
+
+def save_shards(tmp, models, optimizers):
+    """Every process: its shards; returns when every process has written (a plain run's alone, as meant)."""
+    dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
+
+
+def complete_checkpoint(tmp, path, args):
+    """Rank 0: the save renamed over a stale or damaged checkpoint-N; then the oldest ones and any save cut short go."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+    names = os.listdir(args.output_dir)
+    cut_short = [os.path.join(args.output_dir, n) for n in names if n.startswith("checkpoint-") and n.endswith(".tmp")]
+    for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
+        if os.path.islink(old):
+            os.remove(old)  # a link goes, never what it points to
+        else:
+            shutil.rmtree(old)
 
 
 def write_failure(what, error, args, needed_mb=None):
@@ -1960,14 +2105,15 @@ def write_failure(what, error, args, needed_mb=None):
 
 def load_checkpoint(path, models, optimizers):
     """Models and optimisers as saved, for any process count; the state (every draw is seeded by the iteration)."""
-    saved, state = trainer_state_dicts(models, optimizers), read_json(os.path.join(path, "state.json"))
+    saved = trainer_state_dicts(models, optimizers)
+    state = read_json(os.path.join(path, "state.json"))
     try:
         dcp.load(saved, checkpoint_id=path)
     except (ValueError, dcp.CheckpointException) as e:  # a model folder that now holds a model of another size
         raise SystemExit(
             f"'{path}' could not be loaded into this run's models ({str(e).strip().splitlines()[-1]}); if "
             "they changed size, resume with the models it was trained from."
-        )
+        ) from None
     for k in models:
         set_state_dict(
             models[k], optimizers[k], model_state_dict=saved[k]["model"], optim_state_dict=saved[k]["optimizer"]
@@ -1987,13 +2133,21 @@ def catch_stop_signals():
         stops.append(signum)
         print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (again: quit at once)", flush=True)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    os.register_at_fork(after_in_child=lambda: [signal.signal(s, h) for s, h in previous.items()])  # pool workers
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.signal(signum, on_signal)
+
+    def restore_in_child():  # a pool worker forked from this process keeps the handlers it would have had
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    os.register_at_fork(after_in_child=restore_in_child)
     return stops
 
 
-def stop_and_save(stops, args, models, optimizers, state, rank, device):
-    """When any process has a reason to stop (a signal, a failed reward, --max_bad_steps), all save and exit."""
+def save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device):
+    """Nothing, unless a process has a reason to stop (a signal, a failed reward, --max_bad_steps): then every
+    process saves a checkpoint of state and exits, rank 0 printing the command that resumes."""
     signum = next((r for r in stops if isinstance(r, int)), 0)
     failure = next((r for r in stops if isinstance(r, str)), None)
     reasons = {"signal": signum, "failure": failure is not None, "bad_steps": state["bad_steps"] >= args.max_bad_steps}
@@ -2012,14 +2166,20 @@ def stop_and_save(stops, args, models, optimizers, state, rank, device):
         )
         state = dict(state, bad_steps=0)
     path = save_checkpoint(args, models, optimizers, state, rank)
-    command = "python" if args.world_size == 1 else f"torchrun --nproc_per_node={args.world_size}"
+    command = "python"
+    if args.world_size > 1:
+        command = f"torchrun --nproc_per_node={args.world_size}"
     if rank == 0:
         print(
             f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
             f"--resume {path}",
             flush=True,
         )
-    raise SystemExit((failure if rank == 0 else 1) if failure else 128 + reasons["signal"])
+    if failure is None:  # a signal: the exit code of a process it ended
+        raise SystemExit(128 + reasons["signal"])
+    if rank == 0:
+        raise SystemExit(failure)
+    raise SystemExit(1)
 
 
 def step_is_finite(grad_norms, stats, state, iteration, args):
@@ -2031,8 +2191,11 @@ def step_is_finite(grad_norms, stats, state, iteration, args):
     if state["bad_steps"] >= args.max_bad_steps:
         state["skipped_steps"] += 1
         return False
-    state["bad_steps"] = 0 if all(torch.isfinite(n) for n in grad_norms.values()) else state["bad_steps"] + 1
-    state["skipped_steps"] += state["bad_steps"] > 0
+    if all(torch.isfinite(n) for n in grad_norms.values()):
+        state["bad_steps"] = 0
+    else:
+        state["bad_steps"] += 1
+        state["skipped_steps"] += 1
     if state["bad_steps"] == 1:
         print(f"iteration {iteration}: a non-finite loss or gradient; steps are skipped until a finite one", flush=True)
     return state["bad_steps"] == 0
@@ -2047,21 +2210,23 @@ def refuse_non_finite(models, what, args):
         if p.requires_grad
     ]
     named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
-    largest = torch._foreach_norm([p for _, p in named], float("inf"), dtype=torch.float32) if named else []
     device = next(p.device for m in models.values() for p in m.parameters())
-    bad = (~torch.isfinite(torch.stack(largest))).any().float() if named else torch.zeros((), device=device)
+    largest = []  # each weight's largest magnitude
+    bad = torch.zeros((), device=device)
+    if named:
+        largest = torch._foreach_norm([p for _, p in named], float("inf"), dtype=torch.float32)
+        bad = (~torch.isfinite(torch.stack(largest))).any().float()
     if dist.is_initialized():
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     if not bad.item():
         return
     mine = next((name for (name, _), x in zip(named, largest) if not torch.isfinite(x)), None)
-    name, newest = next(n for n in all_processes(mine) if n), (checkpoints_in(args.output_dir) or [None])[-1]
-    raise SystemExit(
-        f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}"
-        + (f"; the newest checkpoint is {newest}." if newest else ".")
-        if not dist.is_initialized() or dist.get_rank() == 0
-        else 1
-    )
+    name = next(n for n in all_processes(mine) if n)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        raise SystemExit(1)
+    held = checkpoints_in(args.output_dir)
+    newest = f"; the newest checkpoint is {held[-1]}" if held else ""
+    raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}{newest}.")
 
 
 # ---- dashboard and log
@@ -2081,62 +2246,71 @@ def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
         stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
 
 
-def dashboard(
-    stats,
-    state,
-    raw_score,
-    rule_scores,
-    has_eos,
-    response_mask,
-    rollout,
-    P,
-    reward_errors,
-    times,
-    models,
-    optimizers,
-    responses_per_iteration,
-    args,
-):
-    """The metrics every script logs, over all processes; times: (t0, generate, score, optimize)."""
-    device = raw_score.device
+def dashboard(stats, state, scores, rollout, clock, args):
+    """The metrics every script logs, over all processes: from the stats summed over tokens, this process's Scores,
+    the rollout of every process and the iteration's Stopwatch."""
+    device = scores.raw.device
     sums = sorted(k for k in stats if k not in NOT_SUMS)
-    totals = torch.tensor(
-        [stats[k] for k in sums] + [stats["tokens"], stats["steps"]], device=device, dtype=torch.float64
-    )
+    totals = [stats[k] for k in sums] + [stats["tokens"], stats["steps"]]
+    totals = torch.tensor(totals, device=device, dtype=torch.float64)
     ratio_max = torch.tensor(stats["ratio_max"], device=device)
     if args.world_size > 1:
         dist.all_reduce(totals)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-    n_tokens, n_steps = totals[-2].item(), totals[-1].item()
-    token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], rollout["response_mask"].sum(1))]
+    n_tokens = totals[-2].item()
+    n_steps = totals[-1].item()
+    P = rollout["input_ids"].shape[1] - rollout["response_mask"].shape[1]  # the prompts' columns
+    lengths = rollout["response_mask"].sum(1).float()  # (N,) every process's responses
+    has_eos = rollout["has_eos"]  # (N,) 1.0 where a stop token ended the response
+    token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], lengths)]
+    failed = torch.tensor([float(scores.failed)], device=device)
     m = {
         "iteration": state["iteration"],
         "episodes": state["episodes"],
-        "objective/score": global_mean(raw_score),
+        "objective/score": global_mean(scores.raw),
         "policy/first_ratio_dev": stats.get("first_ratio_dev"),
         "policy/ratio_max": ratio_max.item(),
-        "response/length": global_mean(response_mask.sum(1).float()),
-        "response/eos_rate": global_mean(has_eos),
+        "response/length": lengths.mean().item(),
+        "response/eos_rate": has_eos.mean().item(),
         "response/distinct1": distinct_n(token_lists, 1),
         "response/distinct2": distinct_n(token_lists, 2),
-        **({"response/truncated_left_out": global_mean(~has_eos)} if args.mask_truncated else {}),
-        "time/generate": times[1],
-        "time/score": times[2],
-        "time/optimize": times[3],
-        "time/iteration": time.time() - times[0],
-        "health/reward_errors": args.world_size * global_mean(torch.tensor([float(reward_errors)], device=device)),
-        "health/skipped_steps": state["skipped_steps"],
-        "memory/model_states_mb": megabytes_held(models, optimizers.values()),
-    }  # this process's (rank 0's)
-    m.update({k: global_mean(x) for k, x in rule_scores.items()})  # the rules' weighted sum, and each when several
-    m.update({k: v / (n_steps if k.startswith("grad_norm") else n_tokens) for k, v in zip(sums, totals.tolist())})
-    m["time/tokens_per_second"] = responses_per_iteration * (P + m["response/length"]) / m["time/iteration"]
+    }
+    if args.mask_truncated:
+        m["response/truncated_left_out"] = (1 - has_eos).mean().item()
+    for phase, seconds in clock.seconds.items():
+        m[f"time/{phase}"] = seconds
+    m["time/iteration"] = time.time() - clock.start
+    m["health/reward_errors"] = args.world_size * global_mean(failed)
+    m["health/skipped_steps"] = state["skipped_steps"]
+    for key, x in scores.metrics.items():  # the rules' weighted sum, and each when there are several
+        m[key] = global_mean(x)
+    for key, total in zip(sums, totals.tolist()):
+        if key.startswith("grad_norm"):
+            m[key] = total / n_steps
+        else:
+            m[key] = total / n_tokens
+    m["time/tokens_per_second"] = len(lengths) * (P + m["response/length"]) / m["time/iteration"]
     return m
+
+
+class Stopwatch:
+    """An iteration's phases: seconds each took (lap(phase) ends it), in the order they ran."""
+
+    def __init__(self):
+        self.start = time.time()
+        self.last = self.start
+        self.seconds = {}
+
+    def lap(self, phase):
+        now = time.time()
+        self.seconds[phase] = now - self.last
+        self.last = now
 
 
 def lock_output_dir(folder):
     """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
-    path, me = os.path.join(folder, "run.lock"), f"process {os.getpid()} on {os.uname().nodename}"
+    path = os.path.join(folder, "run.lock")
+    me = f"process {os.getpid()} on {os.uname().nodename}"
     f = open(path, "a+")
     before = os.pread(f.fileno(), 1000, 0).decode()  # the process holding it, or that held it last
     try:
@@ -2158,12 +2332,17 @@ def lock_output_dir(folder):
 def resumed_log(checkpoint, metrics):
     """A resumed run's log: the checkpoint's rows; the run's own later lines kept in a side file (the first free)."""
     rows = pathlib.Path(checkpoint, "metrics.jsonl").read_text().splitlines(keepends=True)  # whole: one writer
-    own = pathlib.Path(metrics).read_text().splitlines(keepends=True) if os.path.isfile(metrics) else []
+    own = []  # the lines this folder's log holds
+    if os.path.isfile(metrics):
+        own = pathlib.Path(metrics).read_text().splitlines(keepends=True)
     same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
     if own[same:]:
         stem = f"{os.path.splitext(metrics)[0]}.after-{os.path.basename(checkpoint)}"
-        names = (f"{stem}-{k}.jsonl" if k > 1 else f"{stem}.jsonl" for k in itertools.count(1))
-        side = next(name for name in names if not os.path.exists(name))
+        side = f"{stem}.jsonl"
+        for k in itertools.count(2):
+            if not os.path.exists(side):
+                break
+            side = f"{stem}-{k}.jsonl"
         pathlib.Path(side).write_text("".join(own[same:]))
         print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
     pathlib.Path(metrics).write_text("".join(rows))
@@ -2173,7 +2352,11 @@ class Log:
     """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
 
     def __init__(self, args, state, rank, tokenizer):
-        self.args, self.tokenizer, self.on, self.file, self.wandb = args, tokenizer, rank == 0, None, None
+        self.args = args
+        self.tokenizer = tokenizer
+        self.on = rank == 0  # rank 0 alone prints and writes
+        self.file = None
+        self.wandb = None
         if self.on:
             os.makedirs(args.output_dir, exist_ok=True)
             self.lock = lock_output_dir(args.output_dir)  # before anything is written there
@@ -2181,8 +2364,12 @@ class Log:
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
             if args.resume:  # the log as far as the checkpoint goes, then on from there
                 resumed_log(args.resume, metrics)
-            self.file = open(metrics, "a" if args.resume else "w")
-            self.wandb = self.start_wandb(state) if args.track else None
+            if args.resume:
+                self.file = open(metrics, "a")
+            else:
+                self.file = open(metrics, "w")
+            if args.track:
+                self.wandb = self.start_wandb(state)
         if state["iteration"] >= args.num_iterations and self.on:  # a resume with nothing left to train
             print(
                 f"--total_episodes {args.total_episodes} ends at iteration {args.num_iterations}; the checkpoint is "
@@ -2202,7 +2389,8 @@ class Log:
             try:  # flushed: a checkpoint copies the file as it stands
                 print(json.dumps(m), file=self.file, flush=True)
             except OSError as e:
-                raise SystemExit(write_failure(f"writing {self.file.name}", f"{type(e).__name__}: {e}", self.args))
+                error = f"{type(e).__name__}: {e}"
+                raise SystemExit(write_failure(f"writing {self.file.name}", error, self.args)) from None
             if self.wandb:
                 self.wandb.log(m, step=step)
 
@@ -2225,8 +2413,10 @@ class Log:
 
     def iteration(self, m, state, prompt_ids, texts, scores):
         """The alarms, the printed line, the bar, the log; sample rows (prompt, response, score) now and then."""
-        args, iteration = self.args, m["iteration"]
-        m["time/elapsed"] = state["elapsed"] = time.time() - self.t_start
+        args = self.args
+        iteration = m["iteration"]
+        state["elapsed"] = time.time() - self.t_start
+        m["time/elapsed"] = state["elapsed"]
         firing = failure_alarms(m, state, args)
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
         if self.on:
@@ -2258,7 +2448,8 @@ class Log:
         """wandb, logging offline (upload later with `wandb sync`) when its server cannot be reached within seconds."""
         import wandb
 
-        url, args = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"), self.args
+        args = self.args
+        url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
         if os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not reachable(url):
             print(
                 f"wandb: {urlparse(url).hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
@@ -2280,12 +2471,12 @@ class Log:
 
 def finish(policy, tokenizer, log, state, args, rank):
     """The policy and tokenizer saved for from_pretrained, unless not finite; the log and the processes closed."""
+    if state["bad_steps"] and rank != 0:
+        raise SystemExit(1)
     if state["bad_steps"]:
         raise SystemExit(
             f"the last {state['bad_steps']} optimiser step(s) had a non-finite loss or gradient, so the "
             f"policy is not saved to {args.output_dir}; {USUAL_CAUSES}."
-            if rank == 0
-            else 1
         )
     refuse_non_finite({"policy": policy}, f"the policy is not saved to {args.output_dir}", args)
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -2298,7 +2489,7 @@ def finish(policy, tokenizer, log, state, args, rank):
                 policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})
             tokenizer.save_pretrained(args.output_dir)
         except OSError as e:
-            raise SystemExit(write_failure("saving the policy", f"{type(e).__name__}: {e}", args))
+            raise SystemExit(write_failure("saving the policy", f"{type(e).__name__}: {e}", args)) from None
         print(f"saved the policy to {args.output_dir}")
         log.file.close()
         if log.wandb:
