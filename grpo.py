@@ -390,23 +390,6 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
 
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
 # >>> shared: forward passes
-def left_pad(sequences, pad_token_id, device, width=None):
-    """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
-    if width is None:
-        width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id)
-    mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    for i, s in enumerate(sequences):
-        ids[i, width - len(s) :] = torch.tensor(s)
-        mask[i, width - len(s) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def row_uniforms(rng, rows, args, rank):
-    """This process's rows of uniforms drawn for all: a response never depends on the number of processes."""
-    return torch.rand(rows * args.world_size, args.response_length, generator=rng)[rank * rows : (rank + 1) * rows]
-
-
 def position_ids_from(attention_mask):
     """Left padding shifts every prompt; positions (B, L) count real tokens only."""
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -428,37 +411,6 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
         logprobs, entropy = out
         return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
     return torch.where(valid, out, 0.0)
-
-
-def by_length(rows, attention_mask):
-    """The rows (n,) shortest first, so that each micro-batch holds similar lengths and cut_padding cuts it more."""
-    return rows[attention_mask[rows].sum(1).argsort(stable=True)]
-
-
-def cut_padding(batch, P):
-    """A micro-batch of (B, P + T), (B, T) and (B,) tensors without the columns none of its rows uses, and its new P:
-    the real tokens keep their position ids, so every forward gives them the same outputs."""
-    L = batch["attention_mask"].shape[1]
-    start, last = batch["attention_mask"].any(0).nonzero()[[0, -1], 0].tolist()  # the first and last used columns
-    cut = {}
-    for key, x in batch.items():
-        if x.dim() == 1:  # (B,): one value per row
-            cut[key] = x
-        elif x.shape[1] == L:  # (B, P + T): the prompt's columns and the response's
-            cut[key] = x[:, start : last + 1]
-        else:  # (B, T): the response's columns alone
-            cut[key] = x[:, : last + 1 - P]
-    return cut, P - start
-
-
-def in_chunks(forward, size, input_ids, attention_mask, P):
-    """A no-grad forward(ids, mask, P') -> (b, T') over the rollout in cut chunks of size rows, similar lengths
-    together (B x L x V logits at once would dwarf training's): (B, T), 0 past each chunk's T'."""
-    out = torch.zeros(input_ids.shape[0], input_ids.shape[1] - P, device=input_ids.device)  # (B, T)
-    for rows in by_length(torch.arange(len(input_ids), device=input_ids.device), attention_mask).split(size):
-        chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
-        out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
-    return out
 
 
 def head_outputs(model, input_ids, attention_mask):
@@ -682,16 +634,7 @@ def main(args):
     if args.resume:
         state = load_checkpoint(args.resume, models, optimizers)
     else:
-        state = dict(
-            iteration=0,
-            episodes=0,
-            data_epoch=0,
-            data_cursor=0,
-            alarms_on=[],
-            bad_steps=0,
-            skipped_steps=0,
-            elapsed=0.0,
-        )
+        state = new_state()
     # >>> shared: outputs and the starting policy's held-out score
     log = Log(args, state, rank, tokenizer)
     stops = catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
@@ -1081,6 +1024,55 @@ def gather_rows(tensors):
         dist.all_gather(parts, x)
         gathered[key] = torch.cat(parts)
     return gathered
+
+
+# ---- batches: left padding, each process's draws, and micro-batches cut to the columns they use
+def left_pad(sequences, pad_token_id, device, width=None):
+    """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
+    if width is None:
+        width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def row_uniforms(rng, rows, args, rank):
+    """This process's rows of uniforms drawn for all: a response never depends on the number of processes."""
+    return torch.rand(rows * args.world_size, args.response_length, generator=rng)[rank * rows : (rank + 1) * rows]
+
+
+def by_length(rows, attention_mask):
+    """The rows (n,) shortest first, so that each micro-batch holds similar lengths and cut_padding cuts it more."""
+    return rows[attention_mask[rows].sum(1).argsort(stable=True)]
+
+
+def cut_padding(batch, P):
+    """A micro-batch of (B, P + T), (B, T) and (B,) tensors without the columns none of its rows uses, and its new P:
+    the real tokens keep their position ids, so every forward gives them the same outputs."""
+    L = batch["attention_mask"].shape[1]
+    start, last = batch["attention_mask"].any(0).nonzero()[[0, -1], 0].tolist()  # the first and last used columns
+    cut = {}
+    for key, x in batch.items():
+        if x.dim() == 1:  # (B,): one value per row
+            cut[key] = x
+        elif x.shape[1] == L:  # (B, P + T): the prompt's columns and the response's
+            cut[key] = x[:, start : last + 1]
+        else:  # (B, T): the response's columns alone
+            cut[key] = x[:, : last + 1 - P]
+    return cut, P - start
+
+
+def in_chunks(forward, size, input_ids, attention_mask, P):
+    """A no-grad forward(ids, mask, P') -> (b, T') over the rollout in cut chunks of size rows, similar lengths
+    together (B x L x V logits at once would dwarf training's): (B, T), 0 past each chunk's T'."""
+    out = torch.zeros(input_ids.shape[0], input_ids.shape[1] - P, device=input_ids.device)  # (B, T)
+    for rows in by_length(torch.arange(len(input_ids), device=input_ids.device), attention_mask).split(size):
+        chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
+        out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
+    return out
 
 
 # ---- static cache and CUDA graphs
@@ -2022,6 +2014,22 @@ def write_failure(what, error, args, needed_mb=None):
         f"{what} failed ({error}); '{args.output_dir}' has {free_mb:.0f} MB free{need}: free some space (or make "
         f"the folder writable again) and {then}."
     )
+
+
+def new_state(**algorithm_state):
+    """A run's state at its start: the bookkeeping every script keeps, then the algorithm's own entries."""
+    state = dict(
+        iteration=0,
+        episodes=0,
+        data_epoch=0,
+        data_cursor=0,
+        alarms_on=[],
+        bad_steps=0,
+        skipped_steps=0,
+        elapsed=0.0,
+    )
+    state.update(algorithm_state)
+    return state
 
 
 def load_checkpoint(path, models, optimizers):
