@@ -54,13 +54,16 @@ the buffers and the CUDA graph's memory pool), the growth of torch.cuda.memory_r
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
+import functools
 import os
 import platform
 import statistics
 import sys
 import time
 from collections import defaultdict
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -116,21 +119,25 @@ def make_prompts(batch, prompt_len, vocab_size, pad, device, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------- methods
-def run_scripts(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None, decode="dynamic"):
-    """`generate` with --decode `decode`: its (tokens, log-probs); greedy, else from the uniforms given or fresh."""
+# Every method takes (model, ids, mask, sampling, greedy=False), sampling a ppo.Sampling (its max_new_tokens,
+# temperature and pad_token_id; its stop_ids are NEVER), and returns (tokens, log-probs or None). The scripts' loops
+# also take the uniforms to draw from.
+def run_scripts(model, ids, mask, sampling, greedy=False, uniforms=None):
+    """`generate` with --decode sampling.decode: its (tokens, log-probs); greedy, else from the uniforms given or
+    fresh."""
     if greedy:
         uniforms = None
     elif uniforms is None:
-        uniforms = torch.rand(ids.shape[0], n, device=ids.device)
-    return generate(model, ids, mask, n, temperature, NEVER, pad, uniforms, decode)[:2]
+        uniforms = torch.rand(ids.shape[0], sampling.max_new_tokens, device=ids.device)
+    return generate(model, ids, mask, sampling, uniforms)[:2]
 
 
-def run_static(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None):
-    return run_scripts(model, ids, mask, n, temperature, pad, greedy, uniforms, "static")
+def run_static(model, ids, mask, sampling, greedy=False, uniforms=None):
+    return run_scripts(model, ids, mask, dataclasses.replace(sampling, decode="static"), greedy, uniforms)
 
 
-def run_cuda_graph(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None):
-    return run_scripts(model, ids, mask, n, temperature, pad, greedy, uniforms, "cuda_graph")
+def run_cuda_graph(model, ids, mask, sampling, greedy=False, uniforms=None):
+    return run_scripts(model, ids, mask, dataclasses.replace(sampling, decode="cuda_graph"), greedy, uniforms)
 
 
 class CompiledDecoder(ppo.StaticDecoder):
@@ -148,31 +155,40 @@ class CompiledDecoder(ppo.StaticDecoder):
 COMPILED_DECODERS = {}  # the compiled method's own decoders (the static method keeps ppo.STATIC_DECODERS)
 
 
-def run_compiled(model, ids, mask, n, temperature, pad, greedy=False, uniforms=None):
+def run_compiled(model, ids, mask, sampling, greedy=False, uniforms=None):
     """The static loop over CompiledDecoders: ppo's decoder class and table are swapped for the call."""
-    kept = ppo.STATIC_DECODERS, ppo.StaticDecoder
-    ppo.STATIC_DECODERS, ppo.StaticDecoder = COMPILED_DECODERS, CompiledDecoder
-    try:
-        return run_static(model, ids, mask, n, temperature, pad, greedy, uniforms)
-    finally:
-        ppo.STATIC_DECODERS, ppo.StaticDecoder = kept
+    with (
+        mock.patch.object(ppo, "STATIC_DECODERS", COMPILED_DECODERS),
+        mock.patch.object(ppo, "StaticDecoder", CompiledDecoder),
+    ):
+        return run_static(model, ids, mask, sampling, greedy, uniforms)
 
 
-def run_hf(model, ids, mask, n, temperature, pad, greedy=False):
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+def run_hf(model, ids, mask, sampling, greedy=False):
+    if greedy:
+        options = dict(do_sample=False)
+    else:
+        options = dict(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0)
     out = model.generate(
-        ids, attention_mask=mask, max_new_tokens=n, eos_token_id=None, pad_token_id=pad, use_cache=True, **sampling
+        ids,
+        attention_mask=mask,
+        max_new_tokens=sampling.max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=sampling.pad_token_id,
+        use_cache=True,
+        **options,
     )
     return out[:, ids.shape[1] :], None
 
 
 @torch.no_grad()
-def run_no_cache(model, ids, mask, n, temperature, pad, greedy=False):
+def run_no_cache(model, ids, mask, sampling, greedy=False):
+    n = sampling.max_new_tokens
     for _ in range(n):
         logits = model(
             input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=False, logits_to_keep=1
         ).logits[:, -1]
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
         token = probs.argmax(-1) if greedy else torch.multinomial(probs, 1).squeeze(-1)
         ids = torch.cat([ids, token[:, None]], dim=1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -188,6 +204,17 @@ METHODS = {
     "no-cache": run_no_cache,
 }
 DECODE_LOOPS = ("static", "cuda-graph", "compiled")  # checked against scripts: same uniforms, same tokens
+
+
+@dataclasses.dataclass
+class Cell:
+    """One cell of the table: a model (its --models name), its prompts, and how every method samples."""
+
+    model_name: str
+    model: torch.nn.Module
+    ids: torch.Tensor  # (B, P) left-padded prompts
+    mask: torch.Tensor  # (B, P)
+    sampling: ppo.Sampling  # N new tokens at T, never stopping (stop_ids NEVER), the model's pad
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -208,7 +235,8 @@ class PartTimer:
     """Adds the synchronised wall time of each `with timer("part"):` block to timer.seconds["part"]."""
 
     def __init__(self, device):
-        self.device, self.seconds = device, defaultdict(float)
+        self.device = device
+        self.seconds = defaultdict(float)
 
     @contextlib.contextmanager
     def __call__(self, part):
@@ -220,10 +248,9 @@ class PartTimer:
 
 
 @torch.no_grad()
-def generate_timed(
-    timer, policy, prompt_ids, prompt_mask, max_new_tokens, temperature, eos_token_id, pad_token_id, uniforms
-):
+def generate_timed(timer, policy, prompt_ids, prompt_mask, sampling, uniforms):
     """ppo.py's `generate` (sampling branch; no FSDP) statement for statement, each part inside a timer."""
+    max_new_tokens = sampling.max_new_tokens
     with timer("prefill"):
         B = prompt_ids.shape[0]
         cache = DynamicCache()
@@ -239,21 +266,23 @@ def generate_timed(
         ).logits[:, -1]
         next_position = positions[:, -1:] + 1
         done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-        tokens, logprobs, masks = [], [], []
+        tokens = []
+        logprobs = []
+        masks = []
     for step in range(max_new_tokens):
         with timer("sampling (softmax + inverse CDF)"):
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
             cdf = probs.cumsum(-1)
             token = torch.searchsorted(cdf, uniforms[:, step, None] * cdf[:, -1:], right=True)[:, 0].clamp(
                 max=probs.shape[1] - 1
             )
         with timer("log-prob (token_logprobs)"):
-            logprob = token_logprobs(logits, token, temperature)
+            logprob = token_logprobs(logits, token, sampling.temperature)
         with timer("bookkeeping (where, appends, done)"):
             masks.append(~done)
-            tokens.append(torch.where(done, pad_token_id, token))
+            tokens.append(torch.where(done, sampling.pad_token_id, token))
             logprobs.append(torch.where(done, 0.0, logprob))
-            done = done | (token == eos_token_id)
+            done = done | (token == sampling.stop_ids)
             stop = bool(done.all()) or step == max_new_tokens - 1
         if stop:
             break
@@ -267,7 +296,8 @@ def generate_timed(
                 cache=cache,
                 use_cache=True,
             )
-            logits, next_position = out.logits[:, -1], next_position + 1
+            logits = out.logits[:, -1]
+            next_position = next_position + 1
     with timer("bookkeeping (stack)"):
         result = torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
     return result
@@ -278,7 +308,8 @@ def copy_bandwidth(device):
     x = torch.empty(2**28, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
-    best = min(timed(lambda: y.copy_(x), device) for _ in range(10))
+    copy = functools.partial(y.copy_, x)
+    best = min(timed(copy, device) for _ in range(10))
     return 2 * x.nbytes / best
 
 
@@ -314,9 +345,14 @@ def parse_args(argv=None):
     p.add_argument("--out", help="also write the tables (markdown) to this file")
     a = p.parse_args(argv)
     if a.quick:
-        a.models, a.batches, a.new_tokens, a.repeats = "tiny", "4", "8", 1
-    a.models, a.methods = a.models.split(","), a.methods.split(",")
-    a.batches, a.new_tokens = [int(x) for x in a.batches.split(",")], [int(x) for x in a.new_tokens.split(",")]
+        a.models = "tiny"
+        a.batches = "4"
+        a.new_tokens = "8"
+        a.repeats = 1
+    a.models = a.models.split(",")
+    a.methods = a.methods.split(",")
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.new_tokens = [int(x) for x in a.new_tokens.split(",")]
     unknown = set(a.methods) - set(METHODS)
     if unknown:
         p.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
@@ -325,15 +361,14 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
-    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype)
     cuda = device.type == "cuda"
-    if not cuda:
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+    else:
         torch.set_num_threads(a.threads)
-    name = (
-        torch.cuda.get_device_name(device)
-        if cuda
-        else f"CPU ({platform.processor() or platform.machine()}, {a.threads} threads)"
-    )
+        name = f"CPU ({platform.processor() or platform.machine()}, {a.threads} threads)"
     lines = [
         f"torch {torch.__version__}, transformers {transformers.__version__}, {name}, {a.dtype}, "
         f"T={a.temperature}, prompt {a.prompt_len} (left-padded), {datetime.datetime.now():%Y-%m-%d %H:%M}"
@@ -359,30 +394,34 @@ def main(argv=None):
             with open(a.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
 
-    breakdown, notes = None, []
+    breakdown = None
+    notes = []
     for model_name in a.models:
         model, pad = load_model(model_name, dtype, device)
         for batch in a.batches:
             for n in a.new_tokens:
                 ids, mask = make_prompts(batch, a.prompt_len, model.config.vocab_size, pad, device)
+                cell = Cell(model_name, model, ids, mask, ppo.Sampling(n, a.temperature, NEVER, pad))
                 methods = [
                     m
                     for m in a.methods
                     if not (m == "no-cache" and n > a.skip_no_cache_above) and not (m == "cuda-graph" and not cuda)
                 ]
-                seconds, peak, held = defaultdict(list), {}, {}
+                seconds = defaultdict(list)
+                peak = {}
+                held = {}
                 for m in methods:  # warm-up: the static loops set up (capture, compile) and keep their decoders
                     reserved = torch.cuda.memory_reserved(device) if cuda else 0
-                    first = timed(lambda: METHODS[m](model, ids, mask, n, a.temperature, pad), device)
+                    first = timed(functools.partial(METHODS[m], model, ids, mask, cell.sampling), device)
                     held[m] = (torch.cuda.memory_reserved(device) - reserved) / 2**30 if cuda else 0
                     if m == "compiled":
                         notes.append(f"compiled, {model_name} {batch} x {n}: first call (compilation) {first:.1f} s")
-                same = agreement(model, ids, mask, n, a.temperature, pad, methods, device)
+                same = agreement(cell, methods, device)
                 for _ in range(a.repeats):
                     for m in methods:
                         if cuda:
                             torch.cuda.reset_peak_memory_stats(device)
-                        seconds[m].append(timed(lambda: METHODS[m](model, ids, mask, n, a.temperature, pad), device))
+                        seconds[m].append(timed(functools.partial(METHODS[m], model, ids, mask, cell.sampling), device))
                         if cuda:
                             peak[m] = max(peak.get(m, 0), torch.cuda.max_memory_allocated(device) / 2**30)
                 median = {m: statistics.median(s) for m, s in seconds.items()}
@@ -396,13 +435,14 @@ def main(argv=None):
                         f"| {model_name} | {batch} | {n} | {m} | {median[m]:.3f} | {batch * n / median[m]:,.0f} | "
                         f"{' | '.join(ratios)} | {' | '.join(same.get(m, ('-',) * 4))} | "
                     )
-                    row += f"{peak[m]:.2f} | {held[m]:.2f} | " if cuda else ""
-                    row += f"{limit:.3f} | {100 * limit / median[m]:.0f}% |" if cuda else "n/a | n/a |"
+                    if cuda:
+                        row += f"{peak[m]:.2f} | {held[m]:.2f} | "
+                        row += f"{limit:.3f} | {100 * limit / median[m]:.0f}% |"
+                    else:
+                        row += "n/a | n/a |"
                     emit(row)
                 if a.breakdown and breakdown is None:
-                    breakdown = part_table(
-                        model, model_name, batch, n, ids, mask, pad, a, device, median.get("scripts")
-                    )
+                    breakdown = part_table(cell, a.repeats, device, median.get("scripts"))
                 forget_decoders(cuda)
         model = None  # free it before the next one loads
         if cuda:
@@ -413,35 +453,46 @@ def main(argv=None):
         emit("", *breakdown)
 
 
-def agreement(model, ids, mask, n, temperature, pad, methods, device):
+def agreement(cell, methods, device):
     """For each --decode loop among methods: whether its tokens equal those of scripts (the dynamic loop) from the same
     uniforms and greedily ("yes"/"no" for each), with the largest |log-prob difference| where they agree; and for
     cuda-graph and compiled, whether they equal the static loop's run op by op ("the eager path": the same kernels on
     the same shapes, so the same tokens and log-probs to the bit, where the dynamic loop's attention sums over fewer
     columns)."""
-    uniforms = torch.rand(ids.shape[0], n, generator=torch.Generator().manual_seed(1)).to(device)
+    n = cell.sampling.max_new_tokens
+    uniforms = torch.rand(cell.ids.shape[0], n, generator=torch.Generator().manual_seed(1)).to(device)
     calls = {}
 
     def tokens(method, greedy):
         if (method, greedy) not in calls:
-            calls[method, greedy] = METHODS[method](model, ids, mask, n, temperature, pad, greedy, uniforms)
+            calls[method, greedy] = METHODS[method](cell.model, cell.ids, cell.mask, cell.sampling, greedy, uniforms)
         return calls[method, greedy]
 
     def compare(method, reference):
-        verdicts, worst = [], 0.0
+        verdicts = []
+        worst = 0.0
         for greedy in (False, True):
-            got, expected = tokens(method, greedy), tokens(reference, greedy)
+            got = tokens(method, greedy)
+            expected = tokens(reference, greedy)
             equal = got[0].shape == expected[0].shape and torch.equal(got[0], expected[0])
             verdicts.append("yes" if equal else "no")
             if equal:
                 worst = max(worst, (got[1] - expected[1]).abs().max().item())
         return ", ".join(verdicts), f"{worst:.1e}"
 
-    return {
-        m: (*compare(m, "scripts"), *(compare(m, "static") if m != "static" else ("-", "-")))
-        for m in methods
-        if m in DECODE_LOOPS and "scripts" in methods
-    }
+    same = {}
+    if "scripts" not in methods:
+        return same
+    for m in methods:
+        if m not in DECODE_LOOPS:
+            continue
+        against_scripts = compare(m, "scripts")
+        if m == "static":
+            against_static = ("-", "-")
+        else:
+            against_static = compare(m, "static")
+        same[m] = (*against_scripts, *against_static)
+    return same
 
 
 def forget_decoders(cuda):
@@ -454,26 +505,27 @@ def forget_decoders(cuda):
         torch.cuda.empty_cache()
 
 
-def part_table(model, model_name, batch, n, ids, mask, pad, a, device, untimed):
+def part_table(cell, repeats, device, untimed):
     """Where the scripts' loop spends its time in one cell: ms per decode step of each part (over --repeats)."""
+    n = cell.sampling.max_new_tokens
     timer = PartTimer(device)
-    uniforms = torch.rand(ids.shape[0], n, device=ids.device)
-    generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad, uniforms)  # warm-up
+    uniforms = torch.rand(cell.ids.shape[0], n, device=cell.ids.device)
+    generate_timed(timer, cell.model, cell.ids, cell.mask, cell.sampling, uniforms)  # warm-up
     timer.seconds.clear()
-    for _ in range(a.repeats):
-        generate_timed(timer, model, ids, mask, n, a.temperature, NEVER, pad, uniforms)
+    for _ in range(repeats):
+        generate_timed(timer, cell.model, cell.ids, cell.mask, cell.sampling, uniforms)
     total = sum(timer.seconds.values())
     rows = [
-        f"Scripts' loop, {model_name}, batch {batch}, {n} new tokens: ms per generated token (prefill: per call), "
-        f"synchronised timers around each part",
+        f"Scripts' loop, {cell.model_name}, batch {cell.ids.shape[0]}, {n} new tokens: ms per generated token "
+        f"(prefill: per call), synchronised timers around each part",
         "",
         "| part | ms per token | share |",
         "|---|---:|---:|",
     ]
     for part, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
-        per = 1e3 * s / a.repeats / (1 if part == "prefill" else n)
+        per = 1e3 * s / repeats / (1 if part == "prefill" else n)
         rows.append(f"| {part} | {per:.3f} | {100 * s / total:.0f}% |")
-    rows.append(f"| total per call (timed copy) | {1e3 * total / a.repeats:.1f} ms | |")
+    rows.append(f"| total per call (timed copy) | {1e3 * total / repeats:.1f} ms | |")
     if untimed is not None:
         rows.append(f"| ppo.generate per call (median, untimed) | {1e3 * untimed:.1f} ms | |")
     return rows

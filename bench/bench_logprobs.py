@@ -89,7 +89,8 @@ def worker(a):
     except (ImportError, RuntimeError) as e:
         print(json.dumps({"skip": f"{type(e).__name__}: {e}".splitlines()[0][:80]}))
         return
-    N, V = a.tokens, a.vocab
+    N = a.tokens
+    V = a.vocab
     if a.method == "kernels-inplace" and a.mode == "fwd":
         print(json.dumps({"skip": "same as kernels"}))
         return
@@ -118,7 +119,8 @@ def worker(a):
         torch.cuda.synchronize()
         times = []
         for _ in range(a.repeats):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s = torch.cuda.Event(enable_timing=True)
+            e = torch.cuda.Event(enable_timing=True)
             s.record()
             step()
             e.record()
@@ -145,7 +147,8 @@ def copy_bandwidth():
     for _ in range(3):
         dst.copy_(src)
     torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s = torch.cuda.Event(enable_timing=True)
+    e = torch.cuda.Event(enable_timing=True)
     s.record()
     for _ in range(20):
         dst.copy_(src)
@@ -155,6 +158,27 @@ def copy_bandwidth():
 
 
 # ------------------------------------------------------------------------------------------------ driver
+def ms(r):
+    """A cell's time in ms, or why it was skipped."""
+    if "time_s" not in r:
+        return f"skip ({r['skip']})"
+    return f"{r['time_s'] * 1e3:.{2 if r['time_s'] < 0.1 else 0}f}"
+
+
+def ratio(r, n):
+    """A cell's time over the naive method's."""
+    return f"{r['time_s'] / n['time_s']:.2f}" if "time_s" in r and "time_s" in n else "-"
+
+
+def mb(r):
+    return f"{r['peak_mb']:.0f}" if "peak_mb" in r else "-"
+
+
+def percent_of_bandwidth(r, passes, nbytes, bandwidth):
+    """The least traffic (``passes`` times the logits' ``nbytes``) over the time, as a share of the copy bandwidth."""
+    return f"{100 * passes * nbytes / r['time_s'] / bandwidth:.0f}%" if "time_s" in r else "-"
+
+
 def naive_peak_bytes(N, V, mode):
     """Rough upper estimate of the naive method's extra memory: fp32 z, log_softmax, softmax and product
     forward; plus the gradient and autograd temporaries backward."""
@@ -224,7 +248,8 @@ def main():
     if a.device is None:
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.worker:
-        return worker(a)
+        worker(a)
+        return
 
     if a.quick:
         grid = [(4096, 32768, d, 1.0) for d in ("fp32", "bf16")]
@@ -290,25 +315,14 @@ def main():
                 else:
                     res[m, mode] = run_cell(a, m, N, V, d, T, mode)
         for m in methods:
-            f, b = res[m, "fwd"], res[m, "fwdbwd"]
-            nf, nb = res.get(("naive", "fwd"), {}), res.get(("naive", "fwdbwd"), {})
-
-            def ms(r):
-                return (
-                    f"{r['time_s'] * 1e3:.{2 if r['time_s'] < 0.1 else 0}f}" if "time_s" in r else f"skip ({r['skip']})"
-                )
-
-            def ratio(r, n):
-                return f"{r['time_s'] / n['time_s']:.2f}" if "time_s" in r and "time_s" in n else "-"
-
-            def mb(r):
-                return f"{r['peak_mb']:.0f}" if "peak_mb" in r else "-"
-
-            memr = (
-                f"{nb['peak_mb'] / b['peak_mb']:.1f}x less"
-                if "peak_mb" in b and "peak_mb" in nb and b["peak_mb"] > 0 and m != "naive"
-                else "-"
-            )
+            f = res[m, "fwd"]
+            b = res[m, "fwdbwd"]
+            nf = res.get(("naive", "fwd"), {})
+            nb = res.get(("naive", "fwdbwd"), {})
+            if "peak_mb" in b and "peak_mb" in nb and b["peak_mb"] > 0 and m != "naive":
+                memr = f"{nb['peak_mb'] / b['peak_mb']:.1f}x less"
+            else:
+                memr = "-"
             cells = [
                 f"{N // 1024}k",
                 f"{V // 1024}k",
@@ -324,12 +338,8 @@ def main():
                 memr,
             ]
             if cuda:
-                esz = {"fp32": 4, "bf16": 2, "fp16": 2}[d]
-
-                def pct(r, passes):
-                    return f"{100 * passes * N * V * esz / r['time_s'] / bw:.0f}%" if "time_s" in r else "-"
-
-                cells += [pct(f, 1), pct(b, 3)]
+                nbytes = N * V * {"fp32": 4, "bf16": 2, "fp16": 2}[d]
+                cells += [percent_of_bandwidth(f, 1, nbytes, bw), percent_of_bandwidth(b, 3, nbytes, bw)]
             line = "| " + " | ".join(cells) + " |"
             rows.append(line)
             print(line, flush=True)

@@ -303,11 +303,13 @@ def shared_flags(algorithm, policy, rm, iterations, response_length):
     c = ALGORITHMS[algorithm]
     responses = c["rollout_batch_size"] * c["num_generations"]
     flags = ["--model_name_or_path", policy, "--dataset", TASKS[c["task"]]]
-    flags += (
-        ["--reward_model_path", rm] if c["task"] == "reviews" else ["--reward_model_path", "--reward_fn", "arithmetic"]
-    )
+    if c["task"] == "reviews":
+        flags += ["--reward_model_path", rm]
+    else:
+        flags += ["--reward_model_path", "--reward_fn", "arithmetic"]
     flags += ["--total_episodes", str(iterations * responses), "--rollout_batch_size", str(c["rollout_batch_size"])]
-    flags += ["--num_generations", str(c["num_generations"])] if algorithm != "ppo" else []
+    if algorithm != "ppo":
+        flags += ["--num_generations", str(c["num_generations"])]
     for key in ("minibatch_size", "num_epochs", "learning_rate", "kl_coef", "missing_eos_penalty"):
         flags += [f"--{key}", str(c[key])]
     return flags + [
@@ -372,6 +374,10 @@ def ratio_cell(ours, trl):
     return f"{ours / trl:.2f}x" if ours and trl else "n/a"
 
 
+def number_cell(x, spec):
+    return format(x, spec) if x is not None else "n/a"
+
+
 # What --profile labels (record_function around each call), per side: the phases of a PPO iteration.
 PROFILED = {
     "ours": (
@@ -383,7 +389,7 @@ PROFILED = {
             "ppo.response_logprobs",
             "ppo.head_outputs",
             "ppo.token_logprobs",
-            "ppo.policy_loss",
+            "ppo.clip_loss",
             "ppo.value_loss",
             "ppo.gae_advantages",
             "torch.Tensor.backward",
@@ -405,9 +411,18 @@ PROFILED = {
     ),
 }
 PRELUDE = """
-import importlib, json, os, sys, torch, tyro
-from torch.profiler import profile, record_function, ProfilerActivity
-name, entry, targets = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+import importlib
+import json
+import os
+import sys
+
+import torch
+import tyro
+from torch.profiler import ProfilerActivity, profile, record_function
+
+name = sys.argv[1]
+entry = sys.argv[2]
+targets = json.loads(sys.argv[3])
 sys.argv = sys.argv[4:]
 sys.path[:0] = [os.path.dirname(sys.argv[0]), os.path.dirname(os.path.dirname(sys.argv[0]))]
 globals()[name] = importlib.import_module(name)
@@ -421,7 +436,10 @@ for target in targets:
     parts = path.split('.')
     owner = importlib.import_module(parts[0])
     for part in parts[1:]:
-        owner = getattr(owner, part) if hasattr(owner, part) else importlib.import_module(owner.__name__ + '.' + part)
+        if hasattr(owner, part):
+            owner = getattr(owner, part)
+        else:
+            owner = importlib.import_module(owner.__name__ + '.' + part)
     setattr(owner, attr, labelled(getattr(owner, attr), '## ' + target))
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     exec(entry)
@@ -449,7 +467,8 @@ def profile(algorithm, policy, rm, iterations, out, venv):
         log = os.path.join(out, f"profile_{side}.log")
         measured(cmd, log)
         text = open(log).read()
-        ops, labels = text[text.index("PROFILE") + 8 : text.index("LABELS")], text[text.index("LABELS") + 7 :]
+        ops = text[text.index("PROFILE") + 8 : text.index("LABELS")]
+        labels = text[text.index("LABELS") + 7 :]
         lines += [
             f"### {side}: {iterations} iterations, loading included",
             "",
@@ -488,13 +507,15 @@ def main():
     p.add_argument("--out", help="also write the tables (markdown) here")
     a = p.parse_args()
     if a.build:
-        return build(a.build)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(a.threads)
+        build(a.build)
+        return
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)
+    os.environ["MKL_NUM_THREADS"] = str(a.threads)
     venvs = {"/work/venv-trl112": a.venv_trl112, "/work/venv-trl116": a.venv_trl116}
     names = ["embedded"] if a.quick else a.models.split(",")
     if a.profile:
         policy, rm = model_paths(a.profile_models, a.runs)
-        return profile(
+        profile(
             a.profile,
             policy,
             rm,
@@ -502,13 +523,15 @@ def main():
             os.path.join(a.runs, "profile", a.profile_models),
             venvs[ALGORITHMS[a.profile]["venv"]],
         )
+        return
     sides = a.sides.split(",")
     models = {m: model_paths(m, a.runs) for m in names}
     repeats = {m: 1 if a.quick else a.repeats or REPEATS[m] for m in models}
     response_length = 8 if a.quick else 24
     pairs = [(m, alg) for m in models for alg in a.algorithms.split(",")]
     times = {(m, alg, s): [] for m, alg in pairs for s in sides}  # per run: its iteration times
-    peaks, steps = {k: [] for k in times}, {}
+    peaks = {k: [] for k in times}
+    steps = {}
     baseline = {}  # MB of a process that only imports what the side imports
     for side, python, code in (
         ("ours", sys.executable, "import torch, transformers, tyro; import ppo"),
@@ -521,7 +544,9 @@ def main():
         if side in sides:
             baseline[side] = measured([python, "-c", code], os.devnull)
     for r in range(max(repeats.values())):
-        for m, alg in [(m, alg) for m, alg in pairs if r < repeats[m]]:
+        for m, alg in pairs:
+            if r >= repeats[m]:
+                continue
             iterations = 3 if a.quick else ITERATIONS[m][alg]
             cmds = commands(
                 alg,
@@ -531,7 +556,8 @@ def main():
                 os.path.join(a.runs, m, alg),
                 venvs[ALGORITHMS[alg]["venv"]],
             )
-            for side in sides if r % 2 == 0 else sides[::-1]:  # ABBA: each side goes first in every other repeat
+            order = sides if r % 2 == 0 else sides[::-1]  # ABBA: each side goes first in every other repeat
+            for side in order:
                 out = cmds[side][cmds[side].index("--output_dir") + 1]
                 shutil.rmtree(out, ignore_errors=True)  # a new run each time (a folder with checkpoints is refused)
                 os.makedirs(out, exist_ok=True)
@@ -561,19 +587,15 @@ def main():
             for s in ("ours", "trl")
         }
         mb = {s: statistics.median(peaks[m, alg, s]) if s in sides else None for s in ("ours", "trl")}
-        per_run = (
-            ", ".join(
-                ratio_cell(statistics.median(o), statistics.median(q))
-                for o, q in zip(times[m, alg, "ours"], times[m, alg, "trl"])
-            )
-            if len(sides) == 2
-            else "n/a"
-        )
-        fmt = lambda x, f: format(x, f) if x is not None else "n/a"  # noqa: E731
+        if len(sides) == 2:
+            pairs_of_runs = zip(times[m, alg, "ours"], times[m, alg, "trl"])
+            per_run = ", ".join(ratio_cell(statistics.median(o), statistics.median(q)) for o, q in pairs_of_runs)
+        else:
+            per_run = "n/a"
         lines.append(
-            f"| {m} | {alg} | {ALGORITHMS[alg]['trainer']} | {fmt(t['ours'], '.2f')} | "
-            f"{fmt(t['trl'], '.2f')} | **{ratio_cell(t['ours'], t['trl'])}** | "
-            f"{per_run} | {fmt(mb['ours'], ',.0f')} | {fmt(mb['trl'], ',.0f')} | "
+            f"| {m} | {alg} | {ALGORITHMS[alg]['trainer']} | {number_cell(t['ours'], '.2f')} | "
+            f"{number_cell(t['trl'], '.2f')} | **{ratio_cell(t['ours'], t['trl'])}** | "
+            f"{per_run} | {number_cell(mb['ours'], ',.0f')} | {number_cell(mb['trl'], ',.0f')} | "
             f"**{ratio_cell(mb['ours'], mb['trl'])}** | "
             f"{steps.get((m, alg, 'ours'), 'n/a')}, {steps.get((m, alg, 'trl'), 'n/a')} |"
         )

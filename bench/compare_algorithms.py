@@ -74,8 +74,8 @@ def run(algorithm, task, out, responses, evaluations):
         "--save_every",
         "0",
     ]
-    if task == "reviews":  # grpo.py's default task is arithmetic: no rule reward here
-        cmd += ["--reward_fn"] if algorithm == "GRPO" else []
+    if task == "reviews" and algorithm == "GRPO":  # grpo.py's default task is arithmetic: no rule reward here
+        cmd += ["--reward_fn"]
     shutil.rmtree(out, ignore_errors=True)  # a new run each time (a folder with checkpoints is refused)
     os.makedirs(out, exist_ok=True)
     peak_mb = measured(cmd, os.path.join(out, "output.log"))
@@ -84,7 +84,8 @@ def run(algorithm, task, out, responses, evaluations):
 
 def generated_tokens(rows):
     """Sum over iterations of the responses sampled times their mean length."""
-    total, episodes = 0.0, 0
+    total = 0.0
+    episodes = 0
     for r in rows:
         if r["iteration"] > 0:
             total += (r["episodes"] - episodes) * r["response/length"]
@@ -106,7 +107,8 @@ def main():
     a = p.parse_args()
     if a.quick:
         for task in TASKS.values():
-            task["responses"], task["args"] = 256, task["args"] + ["--response_length", "8"]
+            task["responses"] = 256
+            task["args"] = task["args"] + ["--response_length", "8"]
         a.evaluations = 1
     lines = []
     for task in a.tasks.split(","):
@@ -117,7 +119,8 @@ def main():
             "tokens generated | minutes | peak memory MB |",
             "|---|---|---|---|---|---|",
         ]
-        paths, labels = [], []
+        paths = []
+        labels = []
         for algorithm in a.algorithms.split(","):
             out = os.path.join(a.runs, task, algorithm.lower())
             rows, peak_mb = run(algorithm, task, out, TASKS[task]["responses"], a.evaluations)

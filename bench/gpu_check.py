@@ -172,7 +172,9 @@ def call(cmd, timeout, env=None):
         return done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
         output = e.stdout or ""
-        return 124, (output.decode() if isinstance(output, bytes) else output) + f"\n(stopped after {timeout:.0f} s)"
+        if isinstance(output, bytes):
+            output = output.decode()
+        return 124, output + f"\n(stopped after {timeout:.0f} s)"
 
 
 def tail(output, n=15):
@@ -190,8 +192,13 @@ def script_run(script, out, timeout, *args, torchrun=False):
 
 def bench_table(path):
     """The rows of a bench_generate.py table: {(model, batch, new tokens, method): {column: text}}."""
-    header, rows = None, {}
-    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+    header = None
+    rows = {}
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for line in lines:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if cells[0] == "model":
             header = cells
@@ -254,7 +261,8 @@ def row_generation(ctx, timeout, key="generation"):
         f"{len(ctx[key])} rows; same tokens as the old loop: {', '.join(old) or '-'}; as the eager path: "
         f"{', '.join(sorted(set(eager))) or '-'}"
     )
-    return code == 0 and bool(ctx[key]) and all(s == "yes, yes" for s in eager), summary, table or tail(output)
+    passed = code == 0 and bool(ctx[key]) and all(s == "yes, yes" for s in eager)
+    return passed, summary, table or tail(output)
 
 
 def row_recipe_memory(ctx, timeout):
@@ -273,13 +281,17 @@ def old_and_new(ctx, timeout, script, args):
     """The same short run with the new loop, then the old one: a table of seconds per iteration and of generation;
     the new / old time of the last iteration both finished goes to ctx[script]. The old loop gets what time is left:
     if it is stopped, the iterations it finished still count, and the row says so."""
-    s, seconds, started, notes = ctx["sizes"], {}, time.time(), []
+    s = ctx["sizes"]
+    seconds = {}
+    started = time.time()
+    notes = []
     lines = ["| loop | iteration | time/iteration s | time/generate s | response length |", "|---|---:|---:|---:|---:|"]
     for decode in (s["new"], s["old"]):
-        out, left = os.path.join(ctx["tmp"], f"{script}-{decode}"), timeout - (time.time() - started)
-        code, output, rows = script_run(
-            script, out, 0.4 * left if decode == s["new"] else left, *args, "--decode", decode
-        )
+        out = os.path.join(ctx["tmp"], f"{script}-{decode}")
+        left = timeout - (time.time() - started)
+        if decode == s["new"]:
+            left = 0.4 * left
+        code, output, rows = script_run(script, out, left, *args, "--decode", decode)
         rows = [r for r in rows if "time/iteration" in r]
         if not rows:
             return False, f"--decode {decode} failed ({code})", lines + tail(output)
@@ -292,7 +304,8 @@ def old_and_new(ctx, timeout, script, args):
             )
         seconds[decode] = [r["time/iteration"] for r in rows]
     last = min(len(seconds[s["new"]]), len(seconds[s["old"]])) - 1  # the first holds the capture and warm-ups
-    new, old = seconds[s["new"]][last], seconds[s["old"]][last]
+    new = seconds[s["new"]][last]
+    old = seconds[s["old"]][last]
     ctx[script] = new / old
     summary = f"iteration {last + 1}: {old:.2f} s old, {new:.2f} s new ({ctx[script]:.2f}x)"
     return not notes, "; ".join([summary, *notes]), lines
@@ -318,14 +331,14 @@ def ppo_args(s, policy, rm):
         "--save_every",
         "0",
     ]
-    return args + (
-        [] if s["new"] == "cuda_graph" else ["--minibatch_size", "4", "--micro_batch_size", "4", "--num_epochs", "1"]
-    )
+    if s["new"] != "cuda_graph":
+        args += ["--minibatch_size", "4", "--micro_batch_size", "4", "--num_epochs", "1"]
+    return args
 
 
 def grpo_args(s, policy):
-    """The README's GRPO GSM8K recipe with its shapes (the arithmetic prompts and rule stand in for GSM8K's, which
-    need the hub): --mixed_precision, LoRA rank 32, 64 prompts x 5, 1,024 new tokens, one step per rollout."""
+    """The GRPO GSM8K recipe of docs/recipes.md with its shapes (the arithmetic prompts and rule stand in for GSM8K's,
+    which need the hub): --mixed_precision, LoRA rank 32, 64 prompts x 5, 1,024 new tokens, one step per rollout."""
     responses = s["prompts"] * s["generations"]
     return [
         "--model_name_or_path",
@@ -452,10 +465,12 @@ def row_torchrun(ctx, timeout):
         "| script | three iterations | resumed from checkpoint-2 | largest relative difference, iteration 3 |",
         "|---|---|---|---:|",
     ]
-    ok, started = True, time.time()
+    ok = True
+    started = time.time()
     for script in SCRIPTS:
         args = torchrun_args(script)
-        full, resumed = (os.path.join(ctx["tmp"], f"torchrun-{script}-{k}") for k in ("full", "resumed"))
+        full = os.path.join(ctx["tmp"], f"torchrun-{script}-full")
+        resumed = os.path.join(ctx["tmp"], f"torchrun-{script}-resumed")
         left = timeout - (time.time() - started)
         code, output, rows = script_run(script, full, left / 2, *args, torchrun=True)
         if code == 0:
@@ -466,7 +481,8 @@ def row_torchrun(ctx, timeout):
         if code != 0:
             lines.append(f"| {script} | failed ({code}) | | |")
             return False, f"{script} failed", lines + tail(output)
-        last, last_again = rows[-1], again[-1]
+        last = rows[-1]
+        last_again = again[-1]
         numbers = [k for k in last if not k.startswith(("time/", "memory/")) and isinstance(last[k], (int, float))]
         worst = max(abs(last[k] - last_again.get(k, math.nan)) / max(abs(last[k]), 1e-6) for k in numbers)
         finite = all(math.isfinite(r[k]) for r in rows + again for k in numbers if isinstance(r.get(k), float))
@@ -549,6 +565,24 @@ def targets(ctx):
     return rows
 
 
+def verdict_cell(ok):
+    """A row's result: True passed, None skipped, False failed."""
+    if ok is None:
+        return "skipped"
+    if ok:
+        return "pass"
+    return "FAIL"
+
+
+def met_cell(met):
+    """A target's: None is no target, else whether it was met."""
+    if met is None:
+        return "-"
+    if met:
+        return "yes"
+    return "NO"
+
+
 def write(ctx, results):
     import torch
     import transformers
@@ -566,12 +600,12 @@ def write(ctx, results):
         "|---|---|---:|---|",
     ]
     for name, ok, seconds, summary, _ in results:
-        verdict = "pass" if ok else "skipped" if ok is None else "FAIL"
-        lines.append(f"| {name} | {verdict} | {seconds:.0f} | {summary} |")
+        lines.append(f"| {name} | {verdict_cell(ok)} | {seconds:.0f} | {summary} |")
     found = targets(ctx)
     if found:
         lines += ["", "| target | measured | met |", "|---|---|---|"]
-        lines += [f"| {what} | {x} | {'-' if met is None else 'yes' if met else 'NO'} |" for what, x, met in found]
+        for what, x, met in found:
+            lines.append(f"| {what} | {x} | {met_cell(met)} |")
     for name, _, _, _, details in results:
         lines += ["", f"## {name}", "", *details]
     with open(ctx["out"], "w") as f:
@@ -589,7 +623,8 @@ def main(argv=None):
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = a.out or os.path.join(os.environ.get("OUT") or HERE, "gpu_check.md")
-    started, results = time.time(), []
+    started = time.time()
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         ctx = dict(device=device, sizes=sizes(device), tmp=tmp, out=out)
         for name, row, longest in ROWS:
@@ -603,7 +638,9 @@ def main(argv=None):
             try:
                 ok, summary, details = row(ctx, min(longest, left))
             except Exception as e:  # a broken row is reported, and the next one runs
-                ok, summary, details = False, f"{type(e).__name__}: {e}", []
+                ok = False
+                summary = f"{type(e).__name__}: {e}"
+                details = []
             results.append((name, ok, time.time() - t0, summary, details))
             print(f"{name}: {'pass' if ok else 'FAIL'} ({time.time() - t0:.0f} s) {summary}", flush=True)
             write(ctx, results)

@@ -10,7 +10,7 @@ now that each micro-batch is cut to the columns its rows use.
 The defaults sample real rollouts with each script's own functions (its data order, left padding, generate with
 its per-row uniforms, the same seed), from the embedded SFT policy or --policy. The long-tailed shape is GSM8K-like
 lengths drawn at random (prompts of 100 to 300 tokens, responses of 20 to 1,024, log-uniform; 64 prompts x 5, the
-README's GSM8K recipe), so no model is needed. Three layouts are compared for the training forwards:
+GSM8K recipe of docs/recipes.md), so no model is needed. Three layouts are compared for the training forwards:
 - padded: every micro-batch padded to the rollout's widest prompt plus its longest response (the scripts before
   the forwards were cut);
 - cut: each micro-batch (in the shuffled order of training) cut to its own widest prompt and longest response;
@@ -22,6 +22,7 @@ packing (the real tokens of several rows in one row) computes exactly the real t
 """
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -89,29 +90,22 @@ def rollout_lengths(script, policy_path, rollouts):
         args.model_name_or_path = policy_path
     args.world_size = 1
     device = torch.device("cpu")
-    tokenizer, prompts, _, _, stop_ids, _ = module.load_task(args, device)
+    tokenizer, prompts, _, _, sampling, _ = module.load_task(args, device)
+    sampling = dataclasses.replace(sampling, decode="dynamic")  # args.decode is "auto" here, unresolved
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).eval()
     G = getattr(args, "num_generations", 1)
     state = dict(data_epoch=0, data_cursor=0)
-    prompt_lens, response_lens = [], []
+    prompt_lens = []
+    response_lens = []
     for iteration in range(1, rollouts + 1):
         idx, width = module.next_prompts(prompts, state, args, 0)
         idx = [i for i in idx for _ in range(G)]
         prompt_ids, prompt_mask = module.left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
         rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)
         uniforms = module.row_uniforms(rng, len(idx), args, 0)
-        _, _, response_mask = module.generate(
-            policy,
-            prompt_ids,
-            prompt_mask,
-            args.response_length,
-            args.temperature,
-            stop_ids,
-            tokenizer.pad_token_id,
-            uniforms,
-        )
+        _, _, response_mask = module.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
         prompt_lens.append(prompt_mask.sum(1).tolist())
         response_lens.append(response_mask.sum(1).tolist())
     return args, G, prompt_lens, response_lens
@@ -148,7 +142,6 @@ def main():
                 f"{len(response_lens[0])}",
                 f"{sum(lengths) / len(lengths):.1f} ({max(lengths)})",
                 {k: sum(m[k] for m in each) / len(each) for k in each[0]},
-                script == "ppo.py",
                 bool(args.reward_model_path),
             )
         )
@@ -158,7 +151,6 @@ def main():
             "GSM8K-like: prompts of 100 to 300 tokens, 64 x 5",
             f"{sum(r) / len(r):.0f} ({max(r)})",
             measured(p, r, 8, 5, 320),
-            False,
             False,
         )
     )
@@ -170,7 +162,7 @@ def main():
         "prefill, now (a group's prompt once) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, length, m, critic, rm in rows:
+    for name, length, m, rm in rows:
         rm_cell = f"{m['unread_rm']:.0%}" if rm else "-"
         lines.append(
             f"| {name} | {length} | {m['today']:.2f} | {m['padding']:.0%} | {m['cut']:.2f} | "

@@ -14,7 +14,7 @@ import json
 
 TITLES = {
     "objective/score": "reward-model score",
-    "objective/accuracy": "accuracy on training prompts (T = 1)",
+    "objective/rule_reward": "rule reward on training prompts (T = 1)",
     "objective/kl": "KL to reference (nats / response)",
     "response/distinct2": "distinct-2",
     "policy/entropy": "entropy (nats / token)",
@@ -57,11 +57,10 @@ def summary_table(runs, labels, keys):
             tail = values[-1:] if k.startswith("eval/") else values[-5:]
             cells.append(f"{values[0]:.2f} → {sum(tail) / len(tail):.2f}" if values else "-")
         trained = [r for r in rows if r["iteration"] > 0]
-        minutes = (
-            rows[-1]["time/elapsed"] / 60
-            if "time/elapsed" in rows[-1]
-            else sum(r["time/iteration"] for r in trained) / 60
-        )
+        if "time/elapsed" in rows[-1]:
+            minutes = rows[-1]["time/elapsed"] / 60
+        else:
+            minutes = sum(r["time/iteration"] for r in trained) / 60
         alarms = {
             k.split("/", 1)[1]: int(sum(r.get(k, 0) for r in trained)) for k in trained[-1] if k.startswith("alarm/")
         }
@@ -94,12 +93,8 @@ def main():
     import matplotlib.pyplot as plt
 
     cols = min(3, len(args.panels))
-    fig, axes = plt.subplots(
-        (len(args.panels) + cols - 1) // cols,
-        cols,
-        figsize=(4.4 * cols, 3.3 * ((len(args.panels) + cols - 1) // cols)),
-        squeeze=False,
-    )
+    rows_of_panels = (len(args.panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4.4 * cols, 3.3 * rows_of_panels), squeeze=False)
     for ax, key in zip(axes.flat, args.panels):
         for rows, label in zip(runs, labels):
             points = [(x_of(r, args.x), r[key]) for r in rows if key in r]

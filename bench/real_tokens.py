@@ -39,7 +39,6 @@ stops early), with --decode's loop.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -48,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
@@ -60,11 +60,25 @@ import ppo  # noqa: E402  (ROOT is on sys.path through padding)
 LAYOUTS = ["padded, full head", "padded", "sorted and cut", "sorted and cut, fused head", "packed"]
 
 
+@dataclass
+class Rollout:
+    """A rollout's rows in the scripts' layout (rows_of) and how training splits them."""
+
+    input_ids: torch.Tensor  # (B, P + T)
+    attention_mask: torch.Tensor  # (B, P + T)
+    P: int  # the prompts' width
+    minibatch: int  # rows per minibatch
+    micro: int  # rows per micro-batch
+
+
 def rows_of(prompt_lens, response_lens, vocab, seed=0, device="cpu"):
     """Random tokens in the scripts' layout: prompts left-padded, responses right-padded (B, P + T); and P."""
     g = torch.Generator().manual_seed(seed)
-    P, T, B = max(prompt_lens), max(response_lens), len(prompt_lens)
-    input_ids, attention_mask = torch.ones(B, P + T, dtype=torch.long), torch.zeros(B, P + T, dtype=torch.long)
+    P = max(prompt_lens)
+    T = max(response_lens)
+    B = len(prompt_lens)
+    input_ids = torch.ones(B, P + T, dtype=torch.long)
+    attention_mask = torch.zeros(B, P + T, dtype=torch.long)
     for b, (n, m) in enumerate(zip(prompt_lens, response_lens)):
         input_ids[b, P - n : P + m] = torch.randint(2, vocab, (n + m,), generator=g)
         attention_mask[b, P - n : P + m] = 1
@@ -111,37 +125,57 @@ def fused_head_logprobs(policy, input_ids, attention_mask, P):
     return linear_token_logprobs(hidden[:, P - 1 : -1], policy.lm_head.weight, input_ids[:, P:], mask=valid)
 
 
-def epoch(layout, policy, input_ids, attention_mask, P, minibatch, micro, seed=0):
+def epoch(layout, policy, rollout, seed=0):
     """One epoch of training forwards and backwards over the rollout in the layout; returns positions computed."""
+    input_ids = rollout.input_ids
     perm = torch.randperm(len(input_ids), generator=torch.Generator().manual_seed(seed)).to(input_ids.device)
     computed = 0
-    for mb in perm.split(minibatch):
-        parts = ppo.by_length(mb, attention_mask) if layout.startswith("sorted") else mb
-        for idx in parts.split(micro):
-            ids, mask, p = input_ids[idx], attention_mask[idx], P
+    for mb in perm.split(rollout.minibatch):
+        parts = mb
+        if layout.startswith("sorted"):
+            parts = ppo.by_length(mb, rollout.attention_mask)
+        for idx in parts.split(rollout.micro):
+            ids = input_ids[idx]
+            mask = rollout.attention_mask[idx]
+            p = rollout.P
             if layout.startswith("sorted"):
-                cut, p = ppo.cut_padding(dict(input_ids=ids, attention_mask=mask), P)
-                ids, mask = cut["input_ids"], cut["attention_mask"]
+                cut, p = ppo.cut_padding(dict(input_ids=ids, attention_mask=mask), rollout.P)
+                ids = cut["input_ids"]
+                mask = cut["attention_mask"]
             if layout == "packed":
-                logprobs, computed = packed_logprobs(policy, ids, mask, p), computed + int(mask.sum())
+                logprobs = packed_logprobs(policy, ids, mask, p)
+                computed += int(mask.sum())
             elif layout == "sorted and cut, fused head":
-                logprobs, computed = fused_head_logprobs(policy, ids, mask, p), computed + ids.numel()
+                logprobs = fused_head_logprobs(policy, ids, mask, p)
+                computed += ids.numel()
             elif layout == "padded, full head":
-                logprobs, computed = full_head_logprobs(policy, ids, mask, p), computed + ids.numel()
+                logprobs = full_head_logprobs(policy, ids, mask, p)
+                computed += ids.numel()
             else:
-                logprobs, computed = ppo.response_logprobs(policy, ids, mask, p, 1.0), computed + ids.numel()
+                logprobs = ppo.response_logprobs(policy, ids, mask, p, 1.0)
+                computed += ids.numel()
             logprobs.sum().backward()
     policy.zero_grad(set_to_none=True)
     return computed
 
 
-def check_layouts_agree(policy, input_ids, attention_mask, P, tolerance):
+def check_layouts_agree(policy, rollout, tolerance):
     """A layout is only worth timing if it computes the same log-probs: packed and fused checked on each setting."""
+    input_ids = rollout.input_ids[:8]
+    attention_mask = rollout.attention_mask[:8]
     with torch.no_grad():
-        b = ppo.response_logprobs(policy, input_ids[:8], attention_mask[:8], P, 1.0)
+        b = ppo.response_logprobs(policy, input_ids, attention_mask, rollout.P, 1.0)
         for other in (packed_logprobs, fused_head_logprobs):
-            a = other(policy, input_ids[:8], attention_mask[:8], P)
+            a = other(policy, input_ids, attention_mask, rollout.P)
             assert torch.allclose(a, b, atol=tolerance), (other.__name__, (a - b).abs().max())
+
+
+def gsm8k_lengths(a):
+    """The GSM8K-like setting's prompt and response lengths, times --length-scale (at least 1 token each)."""
+    prompt_lens, response_lens = long_tailed()
+    prompts = [max(1, round(x * a.length_scale)) for x in prompt_lens]
+    responses = [max(1, round(x * a.length_scale)) for x in response_lens]
+    return prompts, responses
 
 
 def layouts_part(a):
@@ -162,7 +196,7 @@ def layouts_part(a):
             )
         )
     if "gsm8k" in a.settings:
-        p, r = ([max(1, round(x * a.length_scale)) for x in lens] for lens in long_tailed())
+        p, r = gsm8k_lengths(a)
         policy, name = gsm8k_policy(a)
         settings.append(
             (
@@ -183,15 +217,18 @@ def layouts_part(a):
     for name, policy, prompt_lens, response_lens, minibatch, micro in settings:
         policy = policy.to(a.device, getattr(torch, a.dtype)).train(False)
         input_ids, attention_mask, P = rows_of(prompt_lens, response_lens, policy.config.vocab_size, device=a.device)
-        check_layouts_agree(policy, input_ids, attention_mask, P, 1e-4 if a.dtype == "float32" else 0.1)
+        rollout = Rollout(input_ids, attention_mask, P, minibatch, micro)
+        check_layouts_agree(policy, rollout, 1e-4 if a.dtype == "float32" else 0.1)
         real = int(attention_mask.sum())
-        times, computed = {x: [] for x in LAYOUTS}, {}
-        epoch("padded", policy, input_ids, attention_mask, P, minibatch, micro)  # warm-up
+        times = {x: [] for x in LAYOUTS}
+        computed = {}
+        epoch("padded", policy, rollout)  # warm-up
         for repeat in range(a.repeats):
-            for layout in LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]:
+            order = LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]  # each layout first in turn
+            for layout in order:
                 synchronize(a.device)
                 t0 = time.perf_counter()
-                computed[layout] = epoch(layout, policy, input_ids, attention_mask, P, minibatch, micro)
+                computed[layout] = epoch(layout, policy, rollout)
                 synchronize(a.device)
                 times[layout].append(time.perf_counter() - t0)
         median = {x: statistics.median(times[x]) for x in LAYOUTS}
@@ -206,6 +243,14 @@ def layouts_part(a):
 def every_row_alone(rows, dim, return_inverse):
     """torch.unique_consecutive as generate calls it, finding no two rows alike: every row's prompt prefilled."""
     return rows, torch.arange(len(rows), device=rows.device)
+
+
+def sample(side, policy, ids, mask, sampling, uniforms):
+    """generate on the side's prefill: "every row" (the grouping replaced by every_row_alone) or "once" (as it is)."""
+    if side == "every row":
+        with mock.patch.object(torch, "unique_consecutive", every_row_alone):
+            return ppo.generate(policy, ids, mask, sampling, uniforms)
+    return ppo.generate(policy, ids, mask, sampling, uniforms)
 
 
 def prefill_part(a):
@@ -225,7 +270,7 @@ def prefill_part(a):
             )
         )
     if "gsm8k" in a.settings:
-        p, r = ([max(1, round(x * a.length_scale)) for x in lens] for lens in long_tailed())
+        p, r = gsm8k_lengths(a)
         policy, name = gsm8k_policy(a)
         settings.append(
             (
@@ -247,24 +292,20 @@ def prefill_part(a):
         prompts = [torch.randint(2, policy.config.vocab_size, (n,), generator=g).tolist() for n in prompt_lens[::G]]
         pad = policy.config.pad_token_id or 0
         ids, mask = ppo.left_pad([x for x in prompts for _ in range(G)], pad, a.device)
-        uniforms, stop = torch.rand(len(ids), T, generator=g).to(a.device), torch.tensor([0], device=a.device)
-
-        def sample(side, steps):
-            with (
-                mock.patch.object(torch, "unique_consecutive", every_row_alone)
-                if side == "every row"
-                else contextlib.nullcontext()
-            ):
-                return ppo.generate(policy, ids, mask, steps, 1.0, stop, pad, uniforms[:, :steps], a.decode)
-
+        uniforms = torch.rand(len(ids), T, generator=g).to(a.device)
+        stop = torch.tensor([0], device=a.device)
+        sampling_of = {steps: ppo.Sampling(steps, 1.0, stop, pad, a.decode) for steps in (1, T)}
         times = {(side, steps): [] for side in ("every row", "once") for steps in (1, T)}
-        warm = {k: sample(*k)[0] for k in times}  # CUDA graphs captured, kernels compiled
+        warm = {}  # the tokens of a first call of each (CUDA graphs captured, kernels compiled)
+        for side, steps in times:
+            warm[side, steps] = sample(side, policy, ids, mask, sampling_of[steps], uniforms[:, :steps])[0]
         same = torch.equal(warm["every row", T], warm["once", T])
         for repeat in range(a.repeats):
-            for side, steps in list(times) if repeat % 2 == 0 else list(times)[::-1]:
+            order = list(times) if repeat % 2 == 0 else list(times)[::-1]  # each first in turn
+            for side, steps in order:
                 synchronize(a.device)
                 t0 = time.perf_counter()
-                sample(side, steps)
+                sample(side, policy, ids, mask, sampling_of[steps], uniforms[:, :steps])
                 synchronize(a.device)
                 times[side, steps].append(time.perf_counter() - t0)
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -341,7 +382,8 @@ def scripts_part(before, repeats, iterations, threads):
         for script, per_iteration in episodes.items():
             times = {"before": {}, "now": {}}
             for repeat in range(repeats):
-                for side in ("before", "now") if repeat % 2 == 0 else ("now", "before"):
+                order = ("before", "now") if repeat % 2 == 0 else ("now", "before")
+                for side in order:
                     got = run_script(
                         old if side == "before" else ROOT,
                         script,

@@ -108,6 +108,10 @@ def trl_config(a):
             logging_steps=1,
         )
     steps = steps_per_iteration(a)
+    if a.algorithm == "grpo":
+        own = dict(scale_rewards="group", loss_type="dapo")
+    else:
+        own = dict(normalize_advantages=False)
     return dict(
         common,
         per_device_train_batch_size=a.micro_batch_size,
@@ -127,9 +131,7 @@ def trl_config(a):
         model_init_kwargs={"dtype": a.model_dtype, "use_kernels": False},
         shuffle_dataset=True,
         log_completions=False,
-        **(
-            dict(scale_rewards="group", loss_type="dapo") if a.algorithm == "grpo" else dict(normalize_advantages=False)
-        ),
+        **own,
     )
 
 
@@ -148,14 +150,19 @@ def main():
         """One row per iteration: wall time since the previous iteration ended, and the optimiser steps taken."""
 
         def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-            self.steps, self.iteration, self.last = 0, 0, time.perf_counter()
-            getattr(optimizer, "optimizer", optimizer).register_step_post_hook(
-                lambda *_: setattr(self, "steps", self.steps + 1)
-            )
+            self.steps = 0
+            self.iteration = 0
+            self.last = time.perf_counter()
+            getattr(optimizer, "optimizer", optimizer).register_step_post_hook(self.count_step)
+
+        def count_step(self, *_):
+            """The torch optimiser's hook after each step it takes."""
+            self.steps += 1
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % per_iteration == 0:
-                now, self.iteration = time.perf_counter(), self.iteration + 1
+                now = time.perf_counter()
+                self.iteration += 1
                 log.write(
                     json.dumps(
                         {"iteration": self.iteration, "time/iteration": now - self.last, "optimizer_steps": self.steps}
@@ -163,7 +170,8 @@ def main():
                     + "\n"
                 )
                 log.flush()
-                self.last, self.steps = now, 0
+                self.last = now
+                self.steps = 0
 
     tokenizer = AutoTokenizer.from_pretrained(a.model_name_or_path, padding_side="left")
     rows = [json.loads(line) for line in open(a.dataset) if line.strip()]

@@ -43,11 +43,10 @@ def check_token_range(tokens: torch.Tensor, mask, V: int) -> None:
     """
     if tokens.numel() == 0:
         return
-    ids = (
-        tokens
-        if mask is None
-        else torch.where(mask != 0, tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
-    )
+    if mask is None:
+        ids = tokens
+    else:
+        ids = torch.where(mask != 0, tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
     lo, hi = torch.aminmax(ids)
     lo, hi = torch.stack([lo, hi]).tolist()  # one device -> host sync on CUDA (see above)
     if 0 <= lo and hi < V:
@@ -71,10 +70,12 @@ def prepare_tokens_mask(tokens: torch.Tensor, mask, B: int, S: int):
     return tokens, mask
 
 
-def save_and_return(ctx, logits, tok, msk, lse, ent, logp, cfg):
-    """The end of both forwards: keep what the backward reads, return logp (and entropy) shaped like the
-    tokens. ``cfg`` is (1/T, want_entropy, inplace_backward, tuning knob)."""
-    ctx.save_for_backward(logits, tok, msk, lse, ent, logp)
+def save_and_return(ctx, saved, cfg):
+    """The end of both forwards: keep what the backward reads, ``saved`` = (logits, tokens, mask, lse, entropy, logp),
+    and return logp (and entropy) shaped like the tokens. ``cfg`` is (1/T, want_entropy, inplace_backward, tuning
+    knob)."""
+    logits, _, _, _, ent, logp = saved
+    ctx.save_for_backward(*saved)
     ctx.cfg = cfg
     ctx.set_materialize_grads(False)
     shape = logits.shape[:-1]
@@ -86,12 +87,14 @@ def save_and_return(ctx, logits, tok, msk, lse, ent, logp, cfg):
 def run_backward(ctx, grads, fill):
     """The frame of both backwards: ``fill(x3, grad3, saved, cfg, g_lp, g_h)`` writes dL/dlogits into grad3 (the
     logits' own buffer when inplace), returned shaped like the logits. None: that output did not reach the loss."""
-    saved, cfg = ctx.saved_tensors, ctx.cfg  # read first: it raises if the saved logits were modified in place
+    saved = ctx.saved_tensors  # read first: it raises if the saved logits were modified in place
+    cfg = ctx.cfg
     g_lp = grads[0]
     g_h = grads[1] if cfg[1] else None
     if g_lp is None and g_h is None:
         return (None,) * 7
-    logits, inplace = saved[0], cfg[2]
+    logits = saved[0]
+    inplace = cfg[2]
     x3, copied = rows_view(logits)
     Bn, Sn, V = x3.shape
     if inplace:

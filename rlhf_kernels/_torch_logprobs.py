@@ -20,6 +20,8 @@ The target column is computed separately as g_logp * (-expm1(logp_y)) - g_H p_y 
 that 1 - p_y keeps its precision when p_y is close to 1.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from ._common import prepare_tokens_mask, rows_view, run_backward, save_and_return
@@ -76,23 +78,48 @@ def _forward_chunk(xc, yc, scale, inv_t, want_entropy, A, B_):
     return (z_y - m) - log_s, m + log_s, ent
 
 
-def _backward_chunk(xc, yc, lse, ent, logp, g_lp, g_h, scale, inv_t, A, B_, out):
-    """Write dL/dx for one chunk into ``out`` (any float dtype, rows may be strided)."""
+@dataclass
+class RowStats:
+    """What the backward reads per row: the target ids, the forward's lse, entropy (None without it) and log-prob, and
+    the upstream gradients g_lp and g_h (None: the entropy did not reach the loss), both already times 1/T.
+    ``stats[index]`` holds the same for some rows: ``stats[b, s0:s1]`` of (B, S) tensors, ``stats[s0:s1]`` of (N,)."""
+
+    tokens: torch.Tensor
+    lse: torch.Tensor
+    ent: torch.Tensor | None
+    logp: torch.Tensor
+    g_lp: torch.Tensor
+    g_h: torch.Tensor | None
+
+    def __getitem__(self, index):
+        return RowStats(
+            self.tokens[index],
+            self.lse[index],
+            None if self.ent is None else self.ent[index],
+            self.logp[index],
+            self.g_lp[index],
+            None if self.g_h is None else self.g_h[index],
+        )
+
+
+def _backward_chunk(xc, rows, scale, inv_t, A, B_, out):
+    """Write dL/dx for one chunk of logits ``xc`` into ``out`` (any float dtype, rows may be strided); ``rows`` is the
+    chunk's RowStats."""
     z = _load_z(xc, scale, inv_t, A)
-    torch.sub(z, lse[:, None], out=A)  # A = log p
+    torch.sub(z, rows.lse[:, None], out=A)  # A = log p
     torch.exp(A, out=B_)  # B = p
     # target column in fp32, before any cast
-    p_y = logp.exp()
-    c_y = g_lp * (-torch.expm1(logp))
-    if g_h is not None:
-        c_y = c_y - g_h * p_y * (logp + ent)
-        A.add_(ent[:, None]).clamp_(min=_LOGP_CLAMP)  # A = log p + H (finite)
+    p_y = rows.logp.exp()
+    c_y = rows.g_lp * (-torch.expm1(rows.logp))
+    if rows.g_h is not None:
+        c_y = c_y - rows.g_h * p_y * (rows.logp + rows.ent)
+        A.add_(rows.ent[:, None]).clamp_(min=_LOGP_CLAMP)  # A = log p + H (finite)
         # A = -(g_lp + g_h (log p + H))
-        torch.addcmul(-g_lp[:, None], A, -g_h[:, None], out=A)
+        torch.addcmul(-rows.g_lp[:, None], A, -rows.g_h[:, None], out=A)
         torch.mul(A, B_, out=out)
     else:
-        torch.mul(B_, -g_lp[:, None], out=out)
-    out.scatter_(1, yc[:, None], c_y[:, None].to(out.dtype))
+        torch.mul(B_, -rows.g_lp[:, None], out=out)
+    out.scatter_(1, rows.tokens[:, None], c_y[:, None].to(out.dtype))
 
 
 def _fill_grad(x3, grad3, saved, cfg, g_lp, g_h):
@@ -110,6 +137,7 @@ def _fill_grad(x3, grad3, saved, cfg, g_lp, g_h):
 
     g_lp = prep(g_lp) if g_lp is not None else torch.zeros(Bn, Sn, **f32)
     g_h = prep(g_h) if g_h is not None else None
+    stats = RowStats(tok, lse, ent, logp, g_lp, g_h)
     rows = min(_chunk_rows(V, chunk_rows), max(Sn, 1))
     A = torch.empty(rows, V, **f32)
     B_ = torch.empty(rows, V, **f32)
@@ -117,20 +145,7 @@ def _fill_grad(x3, grad3, saved, cfg, g_lp, g_h):
     for b, s0, s1 in _row_chunks(Bn, Sn, rows):
         n = s1 - s0
         out = grad3[b, s0:s1]
-        _backward_chunk(
-            x3[b, s0:s1],
-            tok[b, s0:s1],
-            lse[b, s0:s1],
-            None if ent is None else ent[b, s0:s1],
-            logp[b, s0:s1],
-            g_lp[b, s0:s1],
-            None if g_h is None else g_h[b, s0:s1],
-            scale,
-            inv_t,
-            A[:n],
-            B_[:n],
-            out,
-        )
+        _backward_chunk(x3[b, s0:s1], stats[b, s0:s1], scale, inv_t, A[:n], B_[:n], out)
         if msk is not None:
             mc = msk[b, s0:s1]
             if not bool(mc.all()):
@@ -169,9 +184,8 @@ class TorchTokenLogprobs(torch.autograd.Function):
                 if want_entropy:
                     ent = torch.where(msk, ent, zero)
         del A, B_
-        return save_and_return(
-            ctx, logits, tok, msk, lse, ent, logp, (inv_t, want_entropy, inplace_backward, chunk_rows)
-        )
+        saved = (logits, tok, msk, lse, ent, logp)
+        return save_and_return(ctx, saved, (inv_t, want_entropy, inplace_backward, chunk_rows))
 
     @staticmethod
     def backward(ctx, *grads):

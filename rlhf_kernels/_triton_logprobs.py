@@ -250,7 +250,8 @@ class TritonTokenLogprobs(torch.autograd.Function):
                 BLOCK=BLOCK,
                 num_warps=warps,
             )
-        return save_and_return(ctx, logits, tok, msk_i, lse, ent, logp, (inv_t, want_entropy, inplace_backward, block))
+        saved = (logits, tok, msk_i, lse, ent, logp)
+        return save_and_return(ctx, saved, (inv_t, want_entropy, inplace_backward, block))
 
     @staticmethod
     def backward(ctx, *grads):

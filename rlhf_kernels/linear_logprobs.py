@@ -26,10 +26,13 @@ class LinearTokenLogprobs(torch.autograd.Function):
         h2 = hidden.reshape(-1, H)
         N = h2.shape[0]
         tok, msk = prepare_tokens_mask(tokens, mask, 1, N)
-        tok, msk = tok[0], (msk[0] if msk is not None else None)
+        tok = tok[0]
+        if msk is not None:
+            msk = msk[0]
         inv_t = 1.0 / float(temperature)
         f32 = dict(dtype=torch.float32, device=hidden.device)
-        logp, lse = torch.empty(N, **f32), torch.empty(N, **f32)
+        logp = torch.empty(N, **f32)
+        lse = torch.empty(N, **f32)
         ent = torch.empty(N, **f32) if want_entropy else None
         rows = min(_rows(V, chunk_rows), max(N, 1))
         A = torch.empty(rows, V, **f32)
@@ -43,7 +46,8 @@ class LinearTokenLogprobs(torch.autograd.Function):
                 lp, ls, en = _tl._forward_chunk(
                     xc, tok[s0:s1], scale, inv_t, want_entropy, A[:n], None if B_ is None else B_[:n]
                 )
-                logp[s0:s1], lse[s0:s1] = lp, ls
+                logp[s0:s1] = lp
+                lse[s0:s1] = ls
                 if want_entropy:
                     ent[s0:s1] = en
             if msk is not None:
@@ -55,7 +59,9 @@ class LinearTokenLogprobs(torch.autograd.Function):
         ctx.cfg = (inv_t, want_entropy, chunk_rows)
         ctx.set_materialize_grads(False)
         shape = hidden.shape[:-1]
-        return (logp.view(shape), ent.view(shape)) if want_entropy else logp.view(shape)
+        if want_entropy:
+            return logp.view(shape), ent.view(shape)
+        return logp.view(shape)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -73,11 +79,15 @@ class LinearTokenLogprobs(torch.autograd.Function):
 
         def prep(g):
             g = g.reshape(N).to(torch.float32) * inv_t
-            return torch.where(msk, g, torch.zeros((), **f32)) if msk is not None else g
+            if msk is not None:
+                g = torch.where(msk, g, torch.zeros((), **f32))
+            return g
 
         g_lp = prep(g_lp) if g_lp is not None else torch.zeros(N, **f32)
         g_h = prep(g_h) if g_h is not None else None
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        stats = _tl.RowStats(tok, lse, ent, logp, g_lp, g_h)
+        need_h = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1]
         grad_h = torch.empty_like(h2) if need_h else None
         grad_w = torch.zeros(weight.shape, **f32) if need_w else None
         rows = min(_rows(V, chunk_rows), max(N, 1))
@@ -89,28 +99,14 @@ class LinearTokenLogprobs(torch.autograd.Function):
             n = s1 - s0
             hc = h2[s0:s1]
             xc = hc @ weight.t()
-            _tl._backward_chunk(
-                xc,
-                tok[s0:s1],
-                lse[s0:s1],
-                None if ent is None else ent[s0:s1],
-                logp[s0:s1],
-                g_lp[s0:s1],
-                None if g_h is None else g_h[s0:s1],
-                scale,
-                inv_t,
-                A[:n],
-                B_[:n],
-                xc,
-            )  # xc now holds dL/dlogits for the chunk
+            _tl._backward_chunk(xc, stats[s0:s1], scale, inv_t, A[:n], B_[:n], xc)  # xc now holds dL/dlogits
             if msk is not None:
                 xc.masked_fill_(~msk[s0:s1, None], 0)
             if need_h:
-                (
+                if grad_h.dtype == xc.dtype:
                     torch.mm(xc, weight, out=grad_h[s0:s1])
-                    if grad_h.dtype == xc.dtype
-                    else grad_h[s0:s1].copy_(xc @ weight)
-                )
+                else:
+                    grad_h[s0:s1].copy_(xc @ weight)
             if need_w:
                 grad_w.add_((xc.t() @ hc).float())
         gh = grad_h.view(hidden.shape) if need_h else None

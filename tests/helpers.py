@@ -36,15 +36,20 @@ def torchrun(script, out, *args, processes=2):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
-def readme_files(folder):
-    """The files the README shows (its ```python blocks that open with `# name.py`), written into folder:
-    {name: path}."""
-    text = open(os.path.join(ROOT, "README.md")).read()
+def readme_files(folder, documents=None):
+    """The files the documents show (their ```python blocks that open with `# name.py`), written into folder:
+    {name: path}. documents: paths from the repository root; by default README.md, docs/*.md and bench/README.md,
+    the documents tests/test_readme_commands.py parses."""
+    if documents is None:
+        docs = sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
+        documents = ["README.md", *docs, "bench/README.md"]
     written = {}
-    for name, code in re.findall(r"```python\n# ([\w.]+\.py)\n(.*?)```", text, re.S):
-        written[name] = os.path.join(folder, name)
-        with open(written[name], "w") as f:
-            f.write(code)
+    for document in documents:
+        text = open(os.path.join(ROOT, document)).read()
+        for name, code in re.findall(r"```python\n# ([\w.]+\.py)\n(.*?)```", text, re.S):
+            written[name] = os.path.join(folder, name)
+            with open(written[name], "w") as f:
+                f.write(code)
     return written
 
 
@@ -61,14 +66,17 @@ def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_s
         prompts = [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in lengths]
         prompt_ids, prompt_mask = ppo.left_pad(prompts, pad_token_id, "cpu")
         uniforms = torch.rand(6, 10, generator=g)
-        uniforms[0, 3] = uniforms[2, 0] = uniforms[3, 6] = 0.0
+        uniforms[0, 3] = 0.0
+        uniforms[2, 0] = 0.0
+        uniforms[3, 6] = 0.0
         for temperature in (0.7, 1.0):
+            dynamic = ppo.Sampling(10, temperature, stop_ids, pad_token_id)
+            static = ppo.Sampling(10, temperature, stop_ids, pad_token_id, "static")
             for draws in (uniforms, None):
-                expected = ppo.generate(policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id, draws)
-                got = ppo.generate(
-                    policy, prompt_ids, prompt_mask, 10, temperature, stop_ids, pad_token_id, draws, "static"
-                )
-                assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+                expected = ppo.generate(policy, prompt_ids, prompt_mask, dynamic, draws)
+                got = ppo.generate(policy, prompt_ids, prompt_mask, static, draws)
+                assert torch.equal(got[0], expected[0])
+                assert torch.equal(got[2], expected[2])
                 torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=0)
                 if draws is not None:  # rows stop at different steps
                     assert len(set(expected[2].sum(1).tolist())) > 2
@@ -86,10 +94,17 @@ def assert_group_prompts_prefilled_once(policy, pad_token_id, stop_ids, vocab_si
     prompts = [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in (5, 9, 3)]
     prompt_ids, prompt_mask = ppo.left_pad([prompts[i] for i in (0, 0, 0, 1, 1, 2, 0, 0)], pad_token_id, "cpu")
     uniforms = torch.rand(8, 10, generator=g)
-    uniforms[0, 2] = uniforms[4, 5] = uniforms[6, 0] = 0.0
+    uniforms[0, 2] = 0.0
+    uniforms[4, 5] = 0.0
+    uniforms[6, 0] = 0.0
+    sampling = ppo.Sampling(10, 0.7, stop_ids, pad_token_id, decode)
     batches = []
-    hook = policy.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].shape), with_kwargs=True)
-    together = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, stop_ids, pad_token_id, uniforms, decode)
+
+    def record_batch(module, args, kwargs):
+        batches.append(kwargs["input_ids"].shape)
+
+    hook = policy.register_forward_pre_hook(record_batch, with_kwargs=True)
+    together = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
     hook.remove()
     assert batches[0] == (4, 9)  # the prefill: one row per run of equal prompts
     assert all(shape[0] == 8 for shape in batches[1:])  # each decode step: every row
@@ -97,16 +112,9 @@ def assert_group_prompts_prefilled_once(policy, pad_token_id, stop_ids, vocab_si
     for b in range(8):
         width = int(prompt_mask[b].sum())
         alone = ppo.generate(
-            policy,
-            prompt_ids[b : b + 1, -width:],
-            prompt_mask[b : b + 1, -width:],
-            10,
-            0.7,
-            stop_ids,
-            pad_token_id,
-            uniforms[b : b + 1],
-            decode,
+            policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], sampling, uniforms[b : b + 1]
         )
         n = alone[0].shape[1]
-        assert torch.equal(alone[0][0], together[0][b, :n]) and (together[2][b, n:] == 0).all()
+        assert torch.equal(alone[0][0], together[0][b, :n])
+        assert (together[2][b, n:] == 0).all()
         torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=atol, rtol=0)

@@ -18,7 +18,8 @@ from assets.build import EOS, PAD, Config, all_problems, make_corpora, make_revi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "assets")
-SFT, RM = os.path.join(ASSETS, "tiny-sft"), os.path.join(ASSETS, "tiny-rm")
+SFT = os.path.join(ASSETS, "tiny-sft")
+RM = os.path.join(ASSETS, "tiny-rm")
 MARGIN = 0.05  # ~1.4 binomial standard deviations at n=200, p=0.4
 
 torch.set_num_threads(2)
@@ -55,7 +56,8 @@ def read_jsonl(name):
 
 
 def check_loaded(tok, sft, rm):
-    assert tok.pad_token == PAD and tok.eos_token == EOS
+    assert tok.pad_token == PAD
+    assert tok.eos_token == EOS
     assert tok.pad_token_id != tok.eos_token_id
     assert tok.padding_side == "left"
     for model in (sft, rm):
@@ -64,7 +66,9 @@ def check_loaded(tok, sft, rm):
         assert model.config.max_position_embeddings >= 128
     assert rm.config.num_labels == 1
     gen = sft.generation_config
-    assert gen.top_k in (None, 0) and gen.top_p in (None, 1.0) and gen.temperature in (None, 1.0)
+    assert gen.top_k in (None, 0)
+    assert gen.top_p in (None, 1.0)
+    assert gen.temperature in (None, 1.0)
 
 
 def test_shipped_assets_load_offline(no_network):
@@ -83,14 +87,21 @@ def test_prompt_sets_load_with_datasets():
     arith = load_dataset(
         "json", data_files={s: os.path.join(ASSETS, f"arithmetic/{s}.jsonl") for s in ("train", "test")}
     )
-    assert len(reviews["train"]) >= 1000 and len(reviews["test"]) >= 100
-    assert len(arith["train"]) >= 1000 and len(arith["test"]) >= 100
+    assert len(reviews["train"]) >= 1000
+    assert len(reviews["test"]) >= 100
+    assert len(arith["train"]) >= 1000
+    assert len(arith["test"]) >= 100
     assert isinstance(arith["test"][0]["answer"], str)
     # Held out: no test operand pair appears in the train prompts.
     assert not set(arith["test"]["prompt"]) & set(arith["train"]["prompt"])
     for row in arith["test"]:
-        a, op, b = row["prompt"][:-1].partition("+") if "+" in row["prompt"] else row["prompt"][:-1].partition("-")
-        assert str(int(a) + int(b) if op == "+" else int(a) - int(b)) == row["answer"]
+        if "+" in row["prompt"]:
+            a, _, b = row["prompt"][:-1].partition("+")
+            expected = int(a) + int(b)
+        else:
+            a, _, b = row["prompt"][:-1].partition("-")
+            expected = int(a) - int(b)
+        assert str(expected) == row["answer"]
 
 
 def test_tokenizer_round_trips_task_text(assets):
@@ -181,8 +192,8 @@ def test_rm_ranks_fresh_pairs_and_tracks_sentiment(assets):
 def padded_batch(tok, texts, left, right):
     """[pad]*left + tokens + [pad]*right for each text, with mask and position_ids = cumsum(mask) - 1."""
     seqs = [
-        [tok.pad_token_id] * l + tok(t, add_special_tokens=False)["input_ids"] + [tok.pad_token_id] * r
-        for t, l, r in zip(texts, left, right)
+        [tok.pad_token_id] * n_left + tok(t, add_special_tokens=False)["input_ids"] + [tok.pad_token_id] * n_right
+        for t, n_left, n_right in zip(texts, left, right)
     ]
     width = max(map(len, seqs))
     rows = [s + [tok.pad_token_id] * (width - len(s)) for s in seqs]
@@ -223,7 +234,8 @@ def test_corpora_are_deterministic_in_the_seed():
         n_rm_train_pairs=50,
         n_rm_test_pairs=20,
     )
-    a, b = make_corpora(Config(seed=3, **small)), make_corpora(Config(seed=3, **small))
+    a = make_corpora(Config(seed=3, **small))
+    b = make_corpora(Config(seed=3, **small))
     c = make_corpora(Config(seed=4, **small))
     assert a == b
     assert all(a[k] != c[k] for k in a)
@@ -260,4 +272,5 @@ def test_tiny_build_runs_end_to_end(tmp_path):
         assert (tmp_path / name).exists(), name
     check_loaded(*load(str(tmp_path / "tiny-sft"), str(tmp_path / "tiny-rm")))
     report = json.loads((tmp_path / "report.json").read_text())
-    assert report["tiny"] is True and report["total_bytes"] > 0
+    assert report["tiny"] is True
+    assert report["total_bytes"] > 0

@@ -38,14 +38,17 @@ def test_quick_run_writes_a_row_per_method(tmp_path):
 def tiny():
     model, pad = bg.load_model("tiny", torch.float32, torch.device("cpu"))
     ids, mask = bg.make_prompts(6, 10, model.config.vocab_size, pad, "cpu")
-    assert (mask == 0).any() and mask[:, -1].all()  # left padding of varied lengths
+    # left padding of varied lengths
+    assert (mask == 0).any()
+    assert mask[:, -1].all()
     return model, pad, ids, mask
 
 
 def _run(tiny, name, temperature, greedy):
     model, pad, ids, mask = tiny
     torch.manual_seed(0)
-    return bg.METHODS[name](model, ids, mask, 12, temperature, pad, greedy=greedy)[0]
+    sampling = bg.ppo.Sampling(12, temperature, bg.NEVER, pad)
+    return bg.METHODS[name](model, ids, mask, sampling, greedy=greedy)[0]
 
 
 def test_greedy_tokens_agree_across_methods(tiny):
@@ -58,6 +61,7 @@ def test_greedy_tokens_agree_across_methods(tiny):
 def test_timed_copy_matches_generate(tiny):
     model, pad, ids, mask = tiny
     uniforms = torch.rand(6, 12, generator=torch.Generator().manual_seed(1))
-    expected = bg.generate(model, ids, mask, 12, 0.7, bg.NEVER, pad, uniforms)
-    got = bg.generate_timed(bg.PartTimer(torch.device("cpu")), model, ids, mask, 12, 0.7, bg.NEVER, pad, uniforms)
+    sampling = bg.ppo.Sampling(12, 0.7, bg.NEVER, pad)
+    expected = bg.generate(model, ids, mask, sampling, uniforms)
+    got = bg.generate_timed(bg.PartTimer(torch.device("cpu")), model, ids, mask, sampling, uniforms)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))

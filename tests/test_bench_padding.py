@@ -16,7 +16,8 @@ def test_the_counts_of_a_small_rollout_by_hand():
     # four responses in two groups of two; prompts of 2, 3, 1, 4 tokens (left-padded to 4), responses of 5, 1, 2, 2
     m = padding.measured([2, 3, 1, 4], [5, 1, 2, 2], micro=2, group=2)
     # 20 real tokens; today every row is 4 + 5 = 9 wide: 36 positions
-    assert m["today"] == pytest.approx(36 / 20) and m["padding"] == pytest.approx(16 / 36)
+    assert m["today"] == pytest.approx(36 / 20)
+    assert m["padding"] == pytest.approx(16 / 36)
     # sorted by length (3, 4, 6, 7: rows 2, 1, 3, 0): [2, 1] is 3 + 2 wide, [3, 0] is 4 + 5: 2 * 5 + 2 * 9 = 28
     assert m["sorted_cut"] == pytest.approx(28 / 20)
     assert 20 / 20 <= m["cut"] <= 36 / 20  # whatever the shuffle, between packing and today
@@ -24,7 +25,8 @@ def test_the_counts_of_a_small_rollout_by_hand():
     # minibatches of two, in micro-batches of two: nothing to sort within, each micro-batch cut as drawn
     assert padding.measured([2, 3, 1, 4], [5, 1, 2, 2], micro=2, group=2, minibatch=2)["training"] == m["cut"]
     # the logits read: one per response token (10 of 36); the reward model reads one per row (4 of 36)
-    assert m["unread"] == pytest.approx(26 / 36) and m["unread_rm"] == pytest.approx(32 / 36)
+    assert m["unread"] == pytest.approx(26 / 36)
+    assert m["unread_rm"] == pytest.approx(32 / 36)
     # the prefill: 4 rows x 4 columns for 10 / 2 = 5 distinct prompt tokens
     assert m["prefill"] == pytest.approx(16 / 5)
     # now each group's prompt once: 2 rows x 4 columns for the same 5
@@ -34,9 +36,12 @@ def test_the_counts_of_a_small_rollout_by_hand():
 def test_the_long_tailed_shape_stays_in_its_ranges():
     prompts, responses = padding.long_tailed()
     assert len(prompts) == len(responses) == 320
-    assert all(100 <= p <= 300 for p in prompts) and all(20 <= r <= 1024 for r in responses)
+    assert all(100 <= p <= 300 for p in prompts)
+    assert all(20 <= r <= 1024 for r in responses)
     assert prompts[:5] == [prompts[0]] * 5  # a group of five shares its prompt
-    assert max(responses) > 900 and min(responses) < 30  # the long tail is there
+    # the long tail is there
+    assert max(responses) > 900
+    assert min(responses) < 30
 
 
 def test_a_quick_run_prints_a_row_per_setting(tmp_path):

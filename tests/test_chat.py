@@ -47,7 +47,9 @@ def test_chat_prompts_render_as_the_template_says(tmp_path):
     prompts, _ = ppo.load_prompts(path, "train", args, tokenizer)
     assert prompts == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in by_hand]
     end = tokenizer.convert_tokens_to_ids("<|end|>")
-    assert end in prompts[0] and prompts[0].count(end) == 2  # the special token is one token, not its characters
+    # the special token is one token, not its characters
+    assert end in prompts[0]
+    assert prompts[0].count(end) == 2
     # without --chat_template, text stays text and messages are still rendered
     prompts, _ = ppo.load_prompts(path, "train", ppo.Args(), tokenizer)
     assert prompts == [
@@ -84,14 +86,14 @@ def test_a_response_ends_at_any_stop_token():
     policy = LlamaForCausalLM(config).eval()
     prompt_ids, prompt_mask = ppo.left_pad([[5, 6, 7]], 0, "cpu")
     uniforms = torch.rand(1, 8, generator=torch.Generator().manual_seed(1))
-    free, free_logprobs, free_mask = ppo.generate(policy, prompt_ids, prompt_mask, 8, 0.8, -1, 0, uniforms)
+    never = ppo.Sampling(8, 0.8, -1, 0)  # no token is -1: no stop
+    free, free_logprobs, free_mask = ppo.generate(policy, prompt_ids, prompt_mask, never, uniforms)
     assert free_mask.sum() == 8
     third = free[0, 2].item()
     # the token may have come up earlier: the response ends at its first use
     first = free[0].tolist().index(third)
-    stopped, logprobs, mask = ppo.generate(
-        policy, prompt_ids, prompt_mask, 8, 0.8, torch.tensor([1, third]), 0, uniforms
-    )
+    at_third = ppo.Sampling(8, 0.8, torch.tensor([1, third]), 0)
+    stopped, logprobs, mask = ppo.generate(policy, prompt_ids, prompt_mask, at_third, uniforms)
     assert stopped[0, : first + 1].tolist() == free[0, : first + 1].tolist()
     assert mask[0].tolist() == [1] * (first + 1) + [0] * (mask.shape[1] - first - 1)
     assert (stopped[0, first + 1 :] == 0).all()
@@ -149,4 +151,5 @@ def test_a_run_on_chat_prompts(tmp_path):
         "96",
     )
     assert [r["iteration"] for r in metrics] == [1, 2]
-    assert "<|user|>" in printed and "<|assistant|>" in printed
+    assert "<|user|>" in printed
+    assert "<|assistant|>" in printed

@@ -64,11 +64,11 @@ def test_a_script_copied_alone_trains_as_in_the_repository(script, tmp_path):
     assert here.returncode == 0, here.stderr[-3000:]
     assert KERNEL_LINE not in here.stdout + here.stderr
     # The same samples and scores (the sampler does not use the kernel), and the same training to float rounding.
-    rows = [[json.loads(line) for line in open(tmp_path / run / "metrics.jsonl")] for run in ("copied", "here")]
+    rows = [[json.loads(line) for line in open(tmp_path / folder / "metrics.jsonl")] for folder in ("copied", "here")]
     assert [r["objective/score"] for r in rows[0]] == [r["objective/score"] for r in rows[1]]
     for a, b in zip(*rows):
         assert a["policy/approx_kl"] == pytest.approx(b["policy/approx_kl"], rel=1e-3, abs=1e-7)
-    trained = [load_file(tmp_path / run / "model.safetensors") for run in ("copied", "here")]
+    trained = [load_file(tmp_path / folder / "model.safetensors") for folder in ("copied", "here")]
     for name, weight in trained[1].items():
         torch.testing.assert_close(trained[0][name], weight, atol=1e-5, rtol=0)
 
@@ -80,13 +80,18 @@ def test_the_plain_torch_log_probs_agree_with_the_kernel(tmp_path):
     alone.mkdir()
     shutil.copy(os.path.join(ROOT, "ppo.py"), alone)
     code = f"""
-import torch, ppo
+import torch
 from transformers import AutoModelForCausalLM
+
+import ppo
+
 assert ppo.token_logprobs.__module__ == "ppo", ppo.token_logprobs.__module__
 policy = AutoModelForCausalLM.from_pretrained({os.path.join(ROOT, "assets", "tiny-sft")!r}).eval()
 g = torch.Generator().manual_seed(0)
 ids = torch.randint(3, policy.config.vocab_size, (4, 12), generator=g)
-mask = torch.ones_like(ids); mask[0, :3] = 0; mask[1, -2:] = 0
+mask = torch.ones_like(ids)
+mask[0, :3] = 0
+mask[1, -2:] = 0
 out = {{}}
 for T in (1.0, 0.7):
     logprobs, entropy = ppo.response_logprobs(policy, ids, mask, 5, T, return_entropy=True)
@@ -118,9 +123,12 @@ def test_a_copied_script_without_its_example_names_the_options_to_pass(script, t
     shutil.copy(os.path.join(ROOT, script), tmp_path)
     done = run(tmp_path / script, tmp_path, "--output_dir", str(tmp_path / "run"))
     assert done.returncode == 1
-    assert "Traceback" not in done.stderr and "huggingface.co" not in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert "huggingface.co" not in done.stdout + done.stderr
     (sentence,) = done.stderr.strip().splitlines()
-    assert "--model_name_or_path" in sentence and "--dataset" in sentence and "not beside this file" in sentence
+    assert "--model_name_or_path" in sentence
+    assert "--dataset" in sentence
+    assert "not beside this file" in sentence
     assert not (tmp_path / "run").exists()
 
 
@@ -155,7 +163,10 @@ def test_a_model_that_cannot_be_had_fails_at_once(offline, tmp_path):
     """Neither a folder nor reachable: with HF_HUB_OFFLINE set, or with no hub answering (an endpoint whose port is
     closed), one sentence and no retries."""
     env = {k: v for k, v in ALONE.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    env.update(HF_HUB_OFFLINE="1") if offline else env.update(HF_ENDPOINT="http://127.0.0.1:9")
+    if offline:
+        env.update(HF_HUB_OFFLINE="1")
+    else:
+        env.update(HF_ENDPOINT="http://127.0.0.1:9")
     done = subprocess.run(
         [
             sys.executable,
@@ -171,5 +182,7 @@ def test_a_model_that_cannot_be_had_fails_at_once(offline, tmp_path):
         text=True,
         timeout=120,
     )
-    assert done.returncode == 1 and "Traceback" not in done.stderr and "Retrying" not in done.stderr
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert "Retrying" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("--model_name_or_path 'nobody/no-model' could not be found")

@@ -115,7 +115,8 @@ def runs(tmp_path_factory, held_out):
 
     def get(script):
         if script not in done:
-            one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+            one = tmp_path_factory.mktemp("one")
+            two = tmp_path_factory.mktemp("two")
             rows_one, _ = run_script(script, one, *common(script, held_out))
             done[script] = (one, rows_one, two, run_torchrun(script, two, *common(script, held_out)))
         return done[script]
@@ -156,7 +157,8 @@ def assert_rows_agree(got, expected):
 
 
 def assert_same_model(got, expected):
-    a, b = (AutoModelForCausalLM.from_pretrained(str(p)).state_dict() for p in (got, expected))
+    a = AutoModelForCausalLM.from_pretrained(str(got)).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(str(expected)).state_dict()
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
@@ -216,7 +218,8 @@ def test_two_processes_compute_what_one_computes_with_other_options(script, flag
     adapters off, the merged save gathered from the shards), with the value head on the policy's sharded trunk, with
     the static decode loop (its buffers of fixed shape, the policy held whole while it samples), and with GSPO's
     ratio per response and CISPO's clipped weights (cut-off responses left out)."""
-    one, two = tmp_path / "one", tmp_path / "two"
+    one = tmp_path / "one"
+    two = tmp_path / "two"
     rows_one, _ = run_script(script, one, *common(script, held_out), *flags)
     assert_rows_agree(run_torchrun(script, two, *common(script, held_out), *flags), rows_one)
     assert_same_model(two, one)
@@ -239,12 +242,17 @@ def test_a_non_finite_weight_is_found_in_either_processs_shards(tmp_path):
     inf in the second process's half of a weight stops both processes, the first naming it (the second exits with 1,
     saying nothing), and the check is silent before it."""
     snippet = tmp_path / "check.py"
-    snippet.write_text(f"""import json, os, sys
+    snippet.write_text(f"""import json
+import os
+import sys
+
 sys.path.insert(0, {ROOT!r})
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+
 import ppo
+
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
@@ -268,4 +276,5 @@ os._exit(0)  # past gloo's teardown at interpreter exit, which now and then abor
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.load(open(tmp_path / "rank1.json")) == [None, 1]
     said = json.load(open(tmp_path / "rank0.json"))
-    assert said[0] is None and said[1].startswith("checked: the weight 'policy: 0.weight' holds a nan or an inf; ")
+    assert said[0] is None
+    assert said[1].startswith("checked: the weight 'policy: 0.weight' holds a nan or an inf; ")

@@ -40,7 +40,8 @@ import ppo
 
 TOKENIZER = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
 # Every family gets the embedded tokenizer's vocabulary and special tokens (it has no BOS).
-PAD, EOS = TOKENIZER.pad_token_id, TOKENIZER.eos_token_id
+PAD = TOKENIZER.pad_token_id
+EOS = TOKENIZER.eos_token_id
 TOKENS = dict(vocab_size=len(TOKENIZER), bos_token_id=TOKENIZER.bos_token_id, eos_token_id=EOS, pad_token_id=PAD)
 DECODER = dict(
     hidden_size=32,
@@ -76,7 +77,8 @@ def family(request, tmp_path_factory):
     """The family's policy (a causal LM, with the embedded tokenizer beside it, since the scripts load the tokenizer
     from --model_name_or_path) and reward model (a one-label sequence classifier, saved without a tokenizer: it reads
     the policy's tokens), saved once per family."""
-    name, folder = request.param, tmp_path_factory.mktemp(request.param)
+    name = request.param
+    folder = tmp_path_factory.mktemp(name)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(FAMILIES[name]()).save_pretrained(folder / "policy")
     TOKENIZER.save_pretrained(folder / "policy")
@@ -93,10 +95,11 @@ def test_sampled_logprobs_equal_teacher_forced(family):
     # A token is the first whose cumulative probability passes its uniform, so a uniform of 0 draws token 0, the EOS:
     # rows 0, 2 and 3 end early (after 4, 1 and 7 tokens), the others run to the limit of 10.
     assert EOS == 0
-    uniforms[0, 3] = uniforms[2, 0] = uniforms[3, 6] = 0.0
-    responses, logprobs_old, response_mask = ppo.generate(
-        policy, prompt_ids, prompt_mask, 10, 0.7, torch.tensor([EOS]), PAD, uniforms
-    )
+    uniforms[0, 3] = 0.0
+    uniforms[2, 0] = 0.0
+    uniforms[3, 6] = 0.0
+    sampling = ppo.Sampling(10, 0.7, torch.tensor([EOS]), PAD)
+    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
     assert response_mask.sum(1).tolist() == [4, 10, 1, 7, 10, 10]
     input_ids = torch.cat([prompt_ids, responses], 1)
     attention_mask = torch.cat([prompt_mask, response_mask], 1)
@@ -128,7 +131,8 @@ def test_a_reward_model_without_a_tokenizer_reads_the_policys_tokens(family):
     # Were it given a tokenizer of its own, the responses would be decoded and re-tokenised for it; an empty one (what
     # transformers builds for most families when none was saved) turns every response into nothing, or into <unk>s.
     ((rm, own),) = ppo.load_reward_models(ppo.Args(reward_model_path=(str(family[1]),)), TOKENIZER, "cpu")
-    assert own is None and rm.config.pad_token_id == PAD
+    assert own is None
+    assert rm.config.pad_token_id == PAD
 
 
 # Two iterations of four responses each, one optimiser step per iteration. All three scripts on the review prompts,
@@ -170,10 +174,11 @@ def test_two_iterations(script, family, tmp_path):
         str(rm),
     )
     assert [r["iteration"] for r in rows] == [1, 2]
+    keys = ["objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy"]
+    if script == "ppo.py":
+        keys.append("val/loss")
     for r in rows:
-        for key in ("objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy") + (
-            ("val/loss",) if script == "ppo.py" else ()
-        ):
+        for key in keys:
             assert math.isfinite(r[key]), key
         # logprobs_old recorded while sampling equal the training forward (dropout off, where a config has it on)
         assert r["policy/first_ratio_dev"] < 1e-4
@@ -181,8 +186,11 @@ def test_two_iterations(script, family, tmp_path):
     assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
     start = AutoModelForCausalLM.from_pretrained(policy)
     saved, loading = AutoModelForCausalLM.from_pretrained(tmp_path / "run", output_loading_info=True)
-    assert type(saved) is type(start) and not any(loading.values())  # no weight missing from the file, none left over
-    start_weights, saved_weights = start.state_dict(), saved.state_dict()
+    # no weight missing from the file, none left over
+    assert type(saved) is type(start)
+    assert not any(loading.values())
+    start_weights = start.state_dict()
+    saved_weights = saved.state_dict()
     assert start_weights.keys() == saved_weights.keys()
     assert sum((saved_weights[k] - start_weights[k]).abs().sum().item() for k in start_weights) > 0  # it trained
 

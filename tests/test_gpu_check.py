@@ -1,6 +1,6 @@
 """bench/gpu_check.sh and gpu_check.py, on a machine without a GPU: the shell script parses, every command line its
-rows would run parses as the script it calls, the GSM8K row has the README recipe's shapes, the wheels it carries
-are the lock's versions, and its fastest rows run on the CPU and write the report."""
+rows would run parses as the script it calls, the GSM8K row has the shapes of the recipe in docs/recipes.md, the wheels
+it carries are the lock's versions, and its fastest rows run on the CPU and write the report."""
 
 import os
 import re
@@ -43,17 +43,16 @@ def test_every_row_parses(device):
         parse("grpo.py", [*gpu_check.grpo_args(s, "policy"), "--decode", decode])
     for script in MODULES:
         args = parse(script, gpu_check.torchrun_args(script))
-        assert (
-            args.mixed_precision
-            and args.save_every == 1
-            and args.total_episodes == 3 * args.rollout_batch_size * (1 if script == "ppo.py" else args.num_generations)
-        )  # three iterations
+        # three iterations
+        assert args.mixed_precision
+        assert args.save_every == 1
+        assert args.total_episodes == 3 * args.rollout_batch_size * (1 if script == "ppo.py" else args.num_generations)
 
 
 def test_the_gsm8k_row_has_the_readme_recipe_shapes():
-    readme = open(os.path.join(ROOT, "README.md")).read()
+    recipes = open(os.path.join(ROOT, "docs", "recipes.md")).read()  # the hub recipes, linked from the README
     recipe = re.search(
-        r"python grpo\.py --model_name_or_path Qwen/Qwen2\.5-0\.5B-Instruct (--mixed_precision.*?)```", readme, re.S
+        r"python grpo\.py --model_name_or_path Qwen/Qwen2\.5-0\.5B-Instruct (--mixed_precision.*?)```", recipes, re.S
     )
     words = shlex.split(recipe.group(1).replace("\\\n", " "))
     expected = parse(
@@ -91,17 +90,23 @@ def test_the_wheels_are_the_locks_versions():
     lock = {r.name.lower().replace("_", "-"): r.specifier for r in requirements("requirements.lock")}
     wheels = requirements("bench/gpu_check_wheels.txt")
     names = [w.name.lower().replace("_", "-") for w in wheels]
-    assert len(set(names)) == len(names) and {"transformers", "tyro", "peft"} <= set(names)
+    assert len(set(names)) == len(names)
+    assert {"transformers", "tyro", "peft"} <= set(names)
     for wheel, name in zip(wheels, names):
-        assert str(wheel.specifier).startswith("==") and name in lock and wheel.specifier == lock[name], name
+        assert str(wheel.specifier).startswith("=="), name
+        assert name in lock, name
+        assert wheel.specifier == lock[name], name
 
 
 def test_the_fast_rows_run_on_the_cpu(tmp_path):
     out = tmp_path / "report.md"
     assert gpu_check.main(["--device", "cpu", "--rows", "kernels,generation", "--out", str(out)]) == 0
     report = out.read_text()
-    assert "| kernels | pass |" in report and "| generation | pass |" in report
-    assert "| tiny | 8 | 8 | static |" in report and "yes, yes" in report  # the static loop made the same tokens
+    assert "| kernels | pass |" in report
+    assert "| generation | pass |" in report
+    # the static loop made the same tokens
+    assert "| tiny | 8 | 8 | static |" in report
+    assert "yes, yes" in report
 
 
 def test_the_real_tokens_row_runs_on_the_cpu(tmp_path):
@@ -109,7 +114,8 @@ def test_the_real_tokens_row_runs_on_the_cpu(tmp_path):
     out = tmp_path / "report.md"
     assert gpu_check.main(["--device", "cpu", "--rows", "real-tokens", "--out", str(out)]) == 0
     report = out.read_text()
-    assert "| real-tokens | pass |" in report and "| GSM8K-like, 2 prompts x 5 (" in report
+    assert "| real-tokens | pass |" in report
+    assert "| GSM8K-like, 2 prompts x 5 (" in report
     row = next(line for line in report.splitlines() if line.startswith("| GSM8K-like"))
     assert row.split(" | ")[5].startswith("1.00, ")  # packed: one position per real token
 
@@ -123,7 +129,8 @@ def test_the_prefill_row_runs_on_the_cpu(tmp_path):
     assert "| prefill | pass |" in report
     row = next(line for line in report.splitlines() if line.startswith("| GSM8K-like, 2 prompts x 5 ("))
     every, once = map(int, row.split(" | ")[1].split(" / "))
-    assert every == 5 * once and row.endswith("| yes |")
+    assert every == 5 * once
+    assert row.endswith("| yes |")
 
 
 def test_the_targets_are_read_off_the_tables(tmp_path):
@@ -138,16 +145,13 @@ def test_the_targets_are_read_off_the_tables(tmp_path):
         ("qwen0.5b-shape", 64, "4.90x", "yes, yes"),
         ("tiny", 256, "30.00x", "yes, no"),
     ]
-    table = tmp_path / "generation.md"
-    table.write_text(
-        "\n".join(
-            [header, "|---|" * 12]
-            + [
-                f"| {model} | {batch} | 128 | cuda-graph | 1.0 | 1 | {speedup} | 1.00x | no, yes | 1.0e-02 | {eager} | 0 |"
-                for model, batch, speedup, eager in rows
-            ]
+    lines = [header, "|---|" * 12]
+    for model, batch, speedup, eager in rows:
+        lines.append(
+            f"| {model} | {batch} | 128 | cuda-graph | 1.0 | 1 | {speedup} | 1.00x | no, yes | 1.0e-02 | {eager} | 0 |"
         )
-    )
+    table = tmp_path / "generation.md"
+    table.write_text("\n".join(lines))
     ctx = {"device": "cuda", "generation": gpu_check.bench_table(table), "ppo.py": 0.55}
     met = [m for _, _, m in gpu_check.targets(ctx)]
     assert met == [True, False, True, False, None, True]  # 4.9x < 5x; one greedy token off the eager path

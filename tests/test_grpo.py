@@ -54,7 +54,8 @@ def test_zero_signal_groups():
 
 # ---------------------------------------------------------------- loss aggregation
 
-LENGTHS, T = [1, 3, 2], 4
+LENGTHS = [1, 3, 2]
+T = 4
 
 
 def ragged():
@@ -92,7 +93,8 @@ def test_aggregation_gradient_weights_long_and_short_responses():
         (losses * grpo.loss_weights(mask, aggregation, T, 3, 6)).sum().backward()
         grads[aggregation] = losses.grad
         assert losses.grad[mask == 0].abs().max() == 0  # padding never gets a gradient
-    short, long = (0, 0), (1, 0)  # a token of the 1-token response, a token of the 3-token response
+    short = (0, 0)  # a token of the 1-token response
+    long = (1, 0)  # a token of the 3-token response
     assert grads["token_mean"][short] == grads["token_mean"][long] == pytest.approx(1 / 6)
     assert grads["constant"][short] == grads["constant"][long] == pytest.approx(1 / 12)
     # 3x longer, 3x less per token
@@ -104,10 +106,8 @@ def test_aggregation_gradient_weights_long_and_short_responses():
 
 def test_kl_estimators_match_their_formulas():
     g = torch.Generator().manual_seed(0)
-    logp, logp_ref = (
-        -torch.rand(50, generator=g, dtype=torch.float64) * 5,
-        -torch.rand(50, generator=g, dtype=torch.float64) * 5,
-    )
+    logp = -torch.rand(50, generator=g, dtype=torch.float64) * 5
+    logp_ref = -torch.rand(50, generator=g, dtype=torch.float64) * 5
     for estimator, formula in (
         ("k1", lambda a, b: a - b),
         ("k2", lambda a, b: 0.5 * (a - b) ** 2),
@@ -117,17 +117,20 @@ def test_kl_estimators_match_their_formulas():
         assert got.tolist() == pytest.approx(
             [formula(a, b) for a, b in zip(logp.tolist(), logp_ref.tolist())], rel=1e-12, abs=1e-12
         )
-    assert (grpo.kl_penalty(logp, logp_ref, "k3") >= 0).all() and (grpo.kl_penalty(logp, logp_ref, "k1") < 0).any()
+    assert (grpo.kl_penalty(logp, logp_ref, "k3") >= 0).all()
+    assert (grpo.kl_penalty(logp, logp_ref, "k1") < 0).any()
 
 
 def test_k3_and_k1_are_unbiased_on_samples_from_the_policy():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(12, generator=g, dtype=torch.float64)
     # a reference close to the policy, as in RLHF, where k3 has the lower variance
-    p, q = torch.softmax(logits, 0), torch.softmax(logits + 0.3 * torch.randn(12, generator=g, dtype=torch.float64), 0)
+    p = torch.softmax(logits, 0)
+    q = torch.softmax(logits + 0.3 * torch.randn(12, generator=g, dtype=torch.float64), 0)
     true_kl = (p * (p / q).log()).sum().item()
     tokens = torch.multinomial(p, 400_000, replacement=True, generator=g)
-    logp, logp_ref = p.log()[tokens], q.log()[tokens]
+    logp = p.log()[tokens]
+    logp_ref = q.log()[tokens]
     for estimator in ("k1", "k3"):
         assert grpo.kl_penalty(logp, logp_ref, estimator).mean().item() == pytest.approx(true_kl, rel=0.02)
     # why GRPO takes k3
@@ -149,7 +152,7 @@ def test_k3_and_k1_are_unbiased_on_samples_from_the_policy():
 def test_clip_higher(ratio, advantage, objective):
     logp_old = torch.tensor([-1.0], dtype=torch.float64)
     logp = (logp_old + math.log(ratio)).requires_grad_(True)
-    loss, _, _ = grpo.policy_loss(logp, logp_old, torch.tensor([advantage], dtype=torch.float64), 0.2, 0.25)
+    loss, _, _ = grpo.clip_loss(logp, logp_old, torch.tensor([advantage], dtype=torch.float64), 0.2, 0.25)
     assert -loss.item() == pytest.approx(objective)
     loss.sum().backward()
     assert (logp.grad.abs().item() > 0) == (objective == pytest.approx(ratio * advantage))
@@ -167,7 +170,8 @@ def test_kl_coef_zero_loads_no_reference():
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
     policy, ref_policy, reward_models = grpo.build_models(args_with(kl_coef=0.0), tokenizer, torch.device("cpu"))
-    assert ref_policy is None and reward_models == []
+    assert ref_policy is None
+    assert reward_models == []
     _, ref_policy, _ = grpo.build_models(args_with(kl_coef=0.04), tokenizer, torch.device("cpu"))
     assert not any(p.requires_grad for p in ref_policy.parameters())
 
@@ -210,10 +214,8 @@ def run_grpo(tmp_path, *extra):
 
 
 def moved(out):
-    trained, start = (
-        AutoModelForCausalLM.from_pretrained(out),
-        AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")),
-    )
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    start = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
     return sum((a - b).abs().sum().item() for a, b in zip(trained.parameters(), start.parameters()))
 
 
@@ -221,11 +223,12 @@ def test_smoke_run_on_embedded_default(tmp_path):
     out, rows = run_grpo(tmp_path)
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     # SFT: greedy beats sampling
-    assert 0.0 <= rows[0]["eval/score"] <= 1.0 and rows[0]["eval/score_greedy"] > rows[0]["eval/score"]
+    assert 0.0 <= rows[0]["eval/score"] <= 1.0
+    assert rows[0]["eval/score_greedy"] > rows[0]["eval/score"]
     for r in rows[1:]:
         for key in (
             "objective/score",
-            "objective/accuracy",
+            "objective/rule_reward",
             "objective/kl",
             "objective/group_reward_std",
             "adv/zero_signal_fraction",
@@ -236,8 +239,8 @@ def test_smoke_run_on_embedded_default(tmp_path):
             "grad_norm/policy",
         ):
             assert math.isfinite(r[key]), key
-        # the rule alone: the score is the exact-match accuracy
-        assert r["objective/score"] == r["objective/accuracy"]
+        # the rule alone: the score is the rule reward, the exact-match accuracy
+        assert r["objective/score"] == r["objective/rule_reward"]
         assert r["policy/first_ratio_dev"] < 1e-4  # logprobs_old recorded while sampling
         assert not any(k.startswith("val/") for k in r)  # no critic
     assert rows[1]["objective/kl"] == pytest.approx(0.0, abs=1e-4)
@@ -249,7 +252,9 @@ def test_zero_signal_groups_are_left_out_of_the_update(tmp_path):
     # bonus would still move the policy, unless those groups are dropped, in which case no step is taken.
     common = ("--temperature", "0.01", "--ent_coef", "0.01", "--kl_coef", "0", "--total_episodes", "32")
     out, rows = run_grpo(tmp_path / "kept", *common)
-    assert rows[1]["adv/zero_signal_fraction"] == 1.0 and moved(out) > 0
+    assert rows[1]["adv/zero_signal_fraction"] == 1.0
+    assert moved(out) > 0
     out, rows = run_grpo(tmp_path / "dropped", *common, "--drop_zero_signal_groups")
-    assert rows[1]["adv/zero_signal_fraction"] == 1.0 and moved(out) == 0
+    assert rows[1]["adv/zero_signal_fraction"] == 1.0
+    assert moved(out) == 0
     assert "objective/kl" not in rows[1]  # --kl_coef 0: no reference, so no KL to report

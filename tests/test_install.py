@@ -25,13 +25,17 @@ def test_transformers_hub_kernels_and_ppo_import_together():
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("Hugging Face's kernels is not installed (transformers before 5.25 does not require it)")
     # From the project root, where a local kernels/ would come first on sys.path.
-    code = (
-        "import transformers.integrations.hub_kernels, ppo, kernels; from kernels import Mode; "
-        "print(os.path.dirname(os.path.abspath(kernels.__file__)))"
+    code = "\n".join(
+        [
+            "import os",
+            "import transformers.integrations.hub_kernels",
+            "import ppo",
+            "import kernels",
+            "from kernels import Mode",
+            "print(os.path.dirname(os.path.abspath(kernels.__file__)))",
+        ]
     )
-    result = subprocess.run(
-        [sys.executable, "-c", "import os; " + code], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == str(hub_kernels.locate_file("kernels")), (
         f"'kernels' was not the installed distribution: {result.stdout}"

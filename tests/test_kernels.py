@@ -49,8 +49,10 @@ def check(logits, tokens, backend, temperature=1.0, mask=None, fn=None, inplace=
     else:
         lp, ent = fn(x, tokens, temperature, True, mask)
     rlp, rent = reference(xr, tokens, temperature, mask)
-    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
-    assert lp.shape == tokens.shape and ent.shape == tokens.shape
+    assert lp.dtype == torch.float32
+    assert ent.dtype == torch.float32
+    assert lp.shape == tokens.shape
+    assert ent.shape == tokens.shape
     torch.testing.assert_close(lp.double(), rlp.detach(), atol=atol, rtol=1e-5)
     torch.testing.assert_close(ent.double(), rent.detach(), atol=atol, rtol=1e-5)
     g = torch.Generator().manual_seed(1)
@@ -58,7 +60,8 @@ def check(logits, tokens, backend, temperature=1.0, mask=None, fn=None, inplace=
     w2 = torch.randn(tokens.shape, generator=g).to(tokens.device)
     (lp * w1 + ent * w2).sum().backward()
     (rlp * w1.double() + rent * w2.double()).sum().backward()
-    assert x.grad.dtype == dtype and x.grad.shape == x.shape
+    assert x.grad.dtype == dtype
+    assert x.grad.shape == x.shape
     scale = xr.grad.abs().max().item()
     torch.testing.assert_close(x.grad.double(), xr.grad, atol=gtol * scale + 3e-7, rtol=0)
     return lp, ent, x.grad
@@ -88,17 +91,27 @@ def test_triton_multiple_blocks(block):
     from rlhf_kernels._triton_logprobs import TritonTokenLogprobs
 
     # block=256: V=1000 spans 4 blocks, the last one partial; default block (4096) with V just above it
-    V, N = (1000, 16) if block else (4100, 3)
+    if block:
+        V = 1000
+        N = 16
+    else:
+        V = 4100
+        N = 3
     x = rand_logits((N, V), torch.float32, seed=3)
     x[0, 40:900] = float("-inf")  # a -inf run crossing block boundaries
-    fn = lambda x, y, T, e, m: TritonTokenLogprobs.apply(x, y, m, T, e, False, block)
+
+    def fn(x, y, T, e, m):
+        return TritonTokenLogprobs.apply(x, y, m, T, e, False, block)
+
     lp, _, _ = check(x, rand_tokens((N,), 40, seed=3), "triton", 0.7, fn=fn)
     assert (lp <= 0).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_views_without_copy(backend):
-    B, L, V = 3, 9, 300
+    B = 3
+    L = 9
+    V = 300
     full = rand_logits((B, L, V), seed=5)
     view = full[:, :-1]  # (B, L-1, V): leading dims do not collapse
     tok = rand_tokens((B, L - 1), V)
@@ -111,7 +124,7 @@ def test_views_without_copy(backend):
     v = y[:, :-1]
     lp = token_logprobs(v, tok, backend=backend, inplace_backward=True)
     grads = []
-    v.register_hook(lambda g: grads.append(g))
+    v.register_hook(grads.append)
     lp.sum().backward()
     assert grads[0].data_ptr() == v.data_ptr()
 
@@ -125,7 +138,8 @@ def test_batch_dims(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_peaked_rows(backend, dtype):
-    V, N = 500, 8
+    V = 500
+    N = 8
     x = rand_logits((N, V), seed=9, scale=1.0)
     tok = rand_tokens((N,), V)
     rows = torch.arange(N)
@@ -136,7 +150,9 @@ def test_peaked_rows(backend, dtype):
     x = x.to(dtype)
     lp, ent, grad = check(x, tok, backend)
     rlp = reference(x, tok)[0].float()
-    assert (rlp > -3e-6).all() and (rlp < -1e-7).all()  # still ~1e-6 after rounding the inputs
+    # still ~1e-6 after rounding the inputs
+    assert (rlp > -3e-6).all()
+    assert (rlp < -1e-7).all()
     # fp32 floor: log(1 + 1e-6) carries ~6e-8 of rounding, so allow 3e-7 absolute on a value of 1e-6
     torch.testing.assert_close(lp, rlp, atol=3e-7, rtol=0)
     # d logp_y / d z_y = 1 - p_y ~ 1e-6 must survive the cast to the logits' dtype (no cancellation to 0)
@@ -144,7 +160,8 @@ def test_peaked_rows(backend, dtype):
     xr = x.double().requires_grad_(True)
     token_logprobs(xa, tok, backend=backend).sum().backward()
     reference(xr, tok)[0].sum().backward()
-    gy, ry = xa.grad[rows, tok].double(), xr.grad[rows, tok]
+    gy = xa.grad[rows, tok].double()
+    ry = xr.grad[rows, tok]
     assert (gy > 0).all()
     torch.testing.assert_close(gy, ry, atol=3e-7, rtol=1e-2)
 
@@ -152,7 +169,9 @@ def test_peaked_rows(backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_masked_rows(backend, dtype):
-    B, L, V = 2, 6, 300
+    B = 2
+    L = 6
+    V = 300
     x = rand_logits((B, L, V), dtype, seed=10)
     tok = rand_tokens((B, L), V)
     mask = torch.ones(B, L, dtype=torch.bool)
@@ -161,7 +180,8 @@ def test_masked_rows(backend, dtype):
     tok[~mask] = -100  # ignore-index style ids must never be read at masked positions
     x[1, 5] = float("nan")  # garbage in a masked row must not leak
     lp, ent, grad = check(x, tok, backend, 0.7, mask=mask.to(torch.int64))
-    assert (lp[~mask] == 0).all() and (ent[~mask] == 0).all()
+    assert (lp[~mask] == 0).all()
+    assert (ent[~mask] == 0).all()
     assert (grad[~mask] == 0).all()
 
 
@@ -175,7 +195,9 @@ def test_neg_inf_entries(backend):
     x[2, 60] = float("-inf")
     tok[1] = 1
     lp, ent, grad = check(x, tok, backend, 0.7)
-    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and torch.isfinite(grad).all()
+    assert torch.isfinite(lp).all()
+    assert torch.isfinite(ent).all()
+    assert torch.isfinite(grad).all()
     assert (grad[0, 100:] == 0).all()
 
 
@@ -242,7 +264,12 @@ def test_auto_picks_torch_on_cpu(monkeypatch):
 
     calls = []
     orig = _torch_logprobs.TorchTokenLogprobs.apply
-    monkeypatch.setattr(_torch_logprobs.TorchTokenLogprobs, "apply", lambda *a: calls.append(1) or orig(*a))
+
+    def counted(*a):
+        calls.append(1)
+        return orig(*a)
+
+    monkeypatch.setattr(_torch_logprobs.TorchTokenLogprobs, "apply", counted)
     token_logprobs(rand_logits((2, 50)), rand_tokens((2,), 50))
     assert calls == [1]
 
@@ -263,13 +290,17 @@ def test_linear_token_logprobs_matches_unfused(dtype, chunk_rows):
     from rlhf_kernels.linear_logprobs import LinearTokenLogprobs
 
     g = torch.Generator().manual_seed(20)
-    B, L, Hd, V = 2, 7, 32, 300
+    B = 2
+    L = 7
+    Hd = 32
+    V = 300
     h0 = torch.randn(B, L, Hd, generator=g).to(dtype)
     w0 = (torch.randn(V, Hd, generator=g) / Hd**0.5 * 3).to(dtype)
     tok = rand_tokens((B, L), V)
     mask = torch.rand(B, L, generator=g) > 0.3
     tok[~mask] = -100
-    w1, w2 = torch.randn(B, L, generator=g), torch.randn(B, L, generator=g)
+    w1 = torch.randn(B, L, generator=g)
+    w2 = torch.randn(B, L, generator=g)
 
     def run(fused):
         h = h0.clone().requires_grad_(True)
@@ -281,7 +312,8 @@ def test_linear_token_logprobs_matches_unfused(dtype, chunk_rows):
         ((lp * w1).sum() + (ent * w2).sum()).backward()
         return lp.detach(), ent.detach(), h.grad, w.grad
 
-    fused, ref = run(True), run(False)
+    fused = run(True)
+    ref = run(False)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for a, b in zip(fused, ref):
         assert a.dtype == b.dtype
@@ -302,7 +334,10 @@ def test_out_of_range_tokens(backend, bad):
     with pytest.raises(ValueError) as err:
         token_logprobs(x, tok, 0.7, return_entropy=True, backend=backend)
     msg = str(err.value)
-    assert f"id {bad} " in msg and f"[0, {V})" in msg and "(1, 2)" in msg and "mask" in msg
+    assert f"id {bad} " in msg
+    assert f"[0, {V})" in msg
+    assert "(1, 2)" in msg
+    assert "mask" in msg
     # the message does not depend on the backend, and a 0-1 mask with the bad id on an unmasked position still raises
     with pytest.raises(ValueError) as err_torch:
         token_logprobs(x, tok, 0.7, mask=torch.ones(2, 3, dtype=torch.int64), backend="torch")
@@ -310,11 +345,14 @@ def test_out_of_range_tokens(backend, bad):
     mask = torch.ones(2, 3, dtype=torch.bool)
     mask[1, 2] = False
     lp, ent, grad = check(x, tok, backend, 0.7, mask=mask)
-    assert lp[1, 2] == 0 and ent[1, 2] == 0 and (grad[1, 2] == 0).all()
+    assert lp[1, 2] == 0
+    assert ent[1, 2] == 0
+    assert (grad[1, 2] == 0).all()
     if backend == "torch":  # the fused lm_head path checks the same way
         from rlhf_kernels import linear_token_logprobs
 
-        h, w = rand_logits((2, 3, 8), seed=17), rand_logits((V, 8), seed=18)
+        h = rand_logits((2, 3, 8), seed=17)
+        w = rand_logits((V, 8), seed=18)
         with pytest.raises(ValueError) as err_linear:
             linear_token_logprobs(h, w, tok)
         assert str(err_linear.value) == msg
@@ -326,9 +364,14 @@ def test_check_range_false_skips_only_the_check(monkeypatch):
     checked call gives and never runs the check, the one host sync."""
     from rlhf_kernels import logprobs
 
-    x, tok = rand_logits((4, 50), seed=19), rand_tokens((4,), 50)
+    x = rand_logits((4, 50), seed=19)
+    tok = rand_tokens((4,), 50)
     checked = token_logprobs(x, tok, 0.7)
-    monkeypatch.setattr(logprobs, "check_token_range", lambda *a: pytest.fail("the range was checked"))
+
+    def refuse(*a):
+        pytest.fail("the range was checked")
+
+    monkeypatch.setattr(logprobs, "check_token_range", refuse)
     assert torch.equal(token_logprobs(x, tok, 0.7, check_range=False), checked)
 
 
@@ -338,7 +381,8 @@ def test_entropy_large_vocab_high_temperature(backend, dtype):
     """Qwen-size vocabulary at T = 1.7: H ~ 10 nats summed over 152k terms. A BLAS dot product for
     sum_i e_i (z_i - m) (sequential fp32 accumulation) put the torch path 2e-4 (fp32) / 1e-4 (bf16) nats off
     here; both paths must stay within 1e-5 of fp64."""
-    V, T = 151_936, 1.7
+    V = 151_936
+    T = 1.7
     n = 6 if backend == "torch" else 2  # the Triton interpreter is slow at this V
     x = rand_logits((n, V), dtype, seed=16, scale=4.0)
     tok = rand_tokens((n,), V, seed=16)

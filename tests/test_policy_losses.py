@@ -33,7 +33,8 @@ def ragged(seed=0):
 @pytest.mark.parametrize("module", [grpo, rloo])
 def test_gspo_matches_the_papers_sequence_ratio_token_by_token(module):
     new, old, adv, mask = ragged(seed=1)
-    low, high = 0.1, 0.08
+    low = 0.1
+    high = 0.08
     logprobs = new.clone().requires_grad_()
     weights = torch.rand(new.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * mask
     loss, ratio, clipped = module.gspo_loss(logprobs, old, adv, mask, low, high)
@@ -62,7 +63,8 @@ def test_gspo_with_sequence_mean_is_the_papers_sequence_objective(module):
     -1/B sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i), s_i = exp(mean_t log(pi/pi_old)), and so does
     its gradient (autograd through the sequence form)."""
     new, old, adv, mask = ragged(seed=2)
-    low, high = 0.05, 0.05
+    low = 0.05
+    high = 0.05
     B, T = new.shape
     token_form = new.clone().requires_grad_()
     weights = module.loss_weights(mask, "sequence_mean", T, B, mask.sum().item())
@@ -74,13 +76,16 @@ def test_gspo_with_sequence_mean_is_the_papers_sequence_objective(module):
     (grad_token,) = torch.autograd.grad(loss, token_form)
     (grad_sequence,) = torch.autograd.grad(-objective, sequence_form)
     torch.testing.assert_close(grad_token, grad_sequence, rtol=1e-12, atol=1e-15)
-    assert (grad_sequence != 0).any() and (grad_sequence == 0).any()  # some responses clipped, some not
+    # some responses clipped, some not
+    assert (grad_sequence != 0).any()
+    assert (grad_sequence == 0).any()
 
 
 @pytest.mark.parametrize("module", [grpo, rloo])
 def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient(module):
     new, old, adv, mask = ragged(seed=3)
-    low, high = 0.1, 0.2
+    low = 0.1
+    high = 0.2
     logprobs = new.clone().requires_grad_()
     weights = mask / mask.sum()
     loss, ratio, clipped = module.cispo_loss(logprobs, old, adv, low, high)
@@ -90,30 +95,38 @@ def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient(module):
         for t in range(n):
             rho = math.exp(new[i, t].item() - old[i, t].item())
             w = min(max(rho, 1 - low), 1 + high)  # the clipped importance weight, a constant for autograd
-            kinds.add("low" if rho < 1 - low else "high" if rho > 1 + high else "inside")
+            if rho < 1 - low:
+                kinds.add("low")
+            elif rho > 1 + high:
+                kinds.add("high")
+            else:
+                kinds.add("inside")
             assert loss[i, t].item() == pytest.approx(-w * ADVANTAGES[i] * new[i, t].item(), rel=1e-12)
             assert ratio[i, t].item() == pytest.approx(rho, rel=1e-12)
             assert clipped[i, t].item() == float(not 1 - low <= rho <= 1 + high)
             # by hand: d/d log pi of -w A log pi is -w A, clipped or not
             assert logprobs.grad[i, t].item() == pytest.approx(-weights[i, t].item() * w * ADVANTAGES[i], rel=1e-12)
     assert kinds == {"low", "high", "inside"}
-    assert (logprobs.grad[clipped.bool()] != 0).all() and clipped.sum() > 0  # clipped tokens still learn
+    # clipped tokens still learn
+    assert (logprobs.grad[clipped.bool()] != 0).all()
+    assert clipped.sum() > 0
 
 
 @pytest.mark.parametrize("module", [grpo, rloo])
-def test_surrogate_picks_the_loss_and_clip_is_todays_loss(module):
+def test_policy_loss_picks_the_loss_and_clip_is_todays_loss(module):
     new, old, adv, mask = ragged(seed=4)
     for kind, expected in (
-        ("clip", module.policy_loss(new, old, adv, 0.1, 0.2)),
+        ("clip", module.clip_loss(new, old, adv, 0.1, 0.2)),
         ("gspo", module.gspo_loss(new, old, adv, mask, 0.1, 0.2)),
         ("cispo", module.cispo_loss(new, old, adv, 0.1, 0.2)),
     ):
-        for got, want in zip(module.surrogate(kind, new, old, adv, mask, 0.1, 0.2), expected):
+        for got, want in zip(module.policy_loss(kind, new, old, adv, mask, 0.1, 0.2), expected):
             assert torch.equal(got, want), kind
     # every ratio 1 (the first minibatch of a rollout): each loss is -A per token, or -A log pi (CISPO)
     for kind in ("clip", "gspo", "cispo"):
-        loss, ratio, clipped = module.surrogate(kind, new, new, adv, mask, 0.1, 0.2)
-        assert torch.equal(ratio * mask, mask) and not clipped.any()
+        loss, ratio, clipped = module.policy_loss(kind, new, new, adv, mask, 0.1, 0.2)
+        assert torch.equal(ratio * mask, mask)
+        assert not clipped.any()
 
 
 # ---------------------------------------------------------------- the losses in a run, on the embedded task
@@ -145,7 +158,9 @@ def test_each_loss_trains_with_a_first_ratio_of_one(script, loss, tmp_path):
     assert len(rows) == 2
     for r in rows:
         assert r["policy/first_ratio_dev"] < 1e-5  # logprobs_old recorded while sampling: ratio 1 on the first
-        assert math.isfinite(r["policy/loss"]) and math.isfinite(r["grad_norm/policy"]) and r["grad_norm/policy"] > 0
+        assert math.isfinite(r["policy/loss"])
+        assert math.isfinite(r["grad_norm/policy"])
+        assert r["grad_norm/policy"] > 0
     if loss == "gspo":  # four minibatches per rollout move each response's ratio past 4e-4 after the first
         assert any(r["policy/clipfrac"] > 0 for r in rows)
 
@@ -171,7 +186,9 @@ def scored(tmp_path, specs, weights=()):
     """score_responses on four known responses to arithmetic prompts, the rules loaded as the scripts load them."""
     (tmp_path / "rules.py").write_text(RULES)
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
-    prompts, answers, replies = ["1+1=", "2+2=", "9+9=", "50+50="], ["2", "4", "18", "100"], ["2", "5", "18", "100"]
+    prompts = ["1+1=", "2+2=", "9+9=", "50+50="]
+    answers = ["2", "4", "18", "100"]
+    replies = ["2", "5", "18", "100"]
     prompt_ids, prompt_mask = ppo.left_pad([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id, "cpu")
     ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in replies]
     width = max(map(len, ids))
@@ -180,9 +197,7 @@ def scored(tmp_path, specs, weights=()):
     fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}")) for spec in specs]
     args = ppo.Args(reward_fn=tuple(specs), reward_weights=weights)
     return ppo.score_responses(
-        [],
-        fns,
-        tokenizer,
+        ppo.Scorer([], fns, tokenizer),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
@@ -192,15 +207,17 @@ def scored(tmp_path, specs, weights=()):
 
 
 def test_two_weighted_rules_give_their_weighted_sum(tmp_path):
-    score, logged, texts, errors = scored(tmp_path, ["correct", "short"], (2.0, -0.25))
-    assert texts == ["2", "5", "18", "100"] and errors == 0
+    scores = scored(tmp_path, ["correct", "short"], (2.0, -0.25))
+    assert scores.texts == ["2", "5", "18", "100"]
+    assert scores.failed == 0
     # by hand: correct 1 0 1 1, short 1 1 1 0; 2 * correct - 0.25 * short
-    assert score.tolist() == [1.75, -0.25, 1.75, 2.0]
-    assert logged["objective/accuracy"].tolist() == [1.75, -0.25, 1.75, 2.0]
-    assert logged["reward/correct"].tolist() == [1.0, 0.0, 1.0, 1.0]
-    assert logged["reward/short"].tolist() == [1.0, 1.0, 1.0, 0.0]
-    score, logged, _, _ = scored(tmp_path, ["correct"])  # one rule, weight 1: its scores, and no reward/<name>
-    assert score.tolist() == [1.0, 0.0, 1.0, 1.0] and list(logged) == ["objective/accuracy"]
+    assert scores.raw.tolist() == [1.75, -0.25, 1.75, 2.0]
+    assert scores.metrics["objective/rule_reward"].tolist() == [1.75, -0.25, 1.75, 2.0]
+    assert scores.metrics["reward/correct"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert scores.metrics["reward/short"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    scores = scored(tmp_path, ["correct"])  # one rule, weight 1: its scores, and no reward/<name>
+    assert scores.raw.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert list(scores.metrics) == ["objective/rule_reward"]
 
 
 def test_a_failing_rule_among_several_is_named(tmp_path):
@@ -251,10 +268,11 @@ def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
     def kept(rows):
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "reward/"))} for r in rows]
 
-    assert kept(two) == kept(one) and len(two) == 4
+    assert kept(two) == kept(one)
+    assert len(two) == 4
     assert weights_digest(tmp_path / "two") == weights_digest(tmp_path / "one")
     for r in two[1:]:  # each rule's mean is logged; their weighted sum is the rule score
-        assert r["objective/accuracy"] == pytest.approx(r["reward/correct"] + 0.5 * r["reward/short"], abs=1e-6)
+        assert r["objective/rule_reward"] == pytest.approx(r["reward/correct"] + 0.5 * r["reward/short"], abs=1e-6)
         assert "reward/correct" not in one[1]
 
 
@@ -265,11 +283,13 @@ def test_a_truncated_responses_gradient_is_exactly_zero():
     """grpo's training loss as main builds it, on two responses of the tiny policy, the second cut off without a
     stop token: with --mask_truncated its tokens get exactly no gradient (at the input embeddings), the first's do."""
     path = os.path.join(ROOT, "assets", "tiny-sft")
-    policy, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    policy = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     eos = tokenizer.eos_token_id
     input_ids = torch.tensor([[5, 6, 7, 8, eos, 0], [5, 6, 9, 10, 11, 12]])
     attention_mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
-    P, response_mask = 2, attention_mask[:, 2:]
+    P = 2
+    response_mask = attention_mask[:, P:]
     has_eos = torch.isin(input_ids[:, P:], torch.tensor([eos])).any(1)
     embedded = []
 
@@ -281,7 +301,7 @@ def test_a_truncated_responses_gradient_is_exactly_zero():
     for mask_truncated, expected in ((True, [True, False]), (False, [True, True])):
         train_mask = response_mask * (has_eos | (not mask_truncated))[:, None]  # as in the scripts' step 3
         logprobs = grpo.response_logprobs(policy, input_ids, attention_mask, P, 1.0)
-        pg_loss, _, _ = grpo.surrogate(
+        pg_loss, _, _ = grpo.policy_loss(
             "clip", logprobs, logprobs.detach() - 0.01, torch.tensor([[1.0], [-1.0]]), train_mask.float(), 0.2, 0.2
         )
         weights = grpo.loss_weights(train_mask.float(), "token_mean", 4, 2, train_mask.sum().item())
@@ -292,10 +312,8 @@ def test_a_truncated_responses_gradient_is_exactly_zero():
 
 
 def moved(out):
-    trained, start = (
-        AutoModelForCausalLM.from_pretrained(out),
-        AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")),
-    )
+    trained = AutoModelForCausalLM.from_pretrained(out)
+    start = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
     return sum((a - b).abs().sum().item() for a, b in zip(trained.parameters(), start.parameters()))
 
 
@@ -323,9 +341,12 @@ def test_a_rollout_cut_off_everywhere_takes_no_step_and_says_so(script, tmp_path
         "1",
     ]
     rows, printed = run_script(script, tmp_path / "masked", *common, "--mask_truncated")
-    assert rows[-1]["response/eos_rate"] == 0.0 and rows[-1]["response/truncated_left_out"] == 1.0
+    assert rows[-1]["response/eos_rate"] == 0.0
+    assert rows[-1]["response/truncated_left_out"] == 1.0
     assert "no optimiser step: every response was left out of the loss" in printed
-    assert moved(tmp_path / "masked") == 0 and "grad_norm/policy" not in rows[-1]
+    assert moved(tmp_path / "masked") == 0
+    assert "grad_norm/policy" not in rows[-1]
     rows, printed = run_script(script, tmp_path / "kept", *common)
-    assert "no optimiser step" not in printed and "response/truncated_left_out" not in rows[-1]
+    assert "no optimiser step" not in printed
+    assert "response/truncated_left_out" not in rows[-1]
     assert moved(tmp_path / "kept") > 0

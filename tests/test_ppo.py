@@ -19,7 +19,8 @@ from transformers import (
 import ppo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAD, EOS = 0, 1
+PAD = 0
+EOS = 1
 
 
 def tiny_config(**kw):
@@ -68,13 +69,16 @@ def test_gae_matches_plain_loop(B, T, gamma, lam):
             [a + v for a, v in zip(expected, values[b, :n].tolist())], abs=1e-10
         )
         # whatever lies in the padding must not leak into the answer or be produced there
-        assert advantages[b, n:].abs().sum() == 0 and returns[b, n:].abs().sum() == 0
+        assert advantages[b, n:].abs().sum() == 0
+        assert returns[b, n:].abs().sum() == 0
 
 
 def test_gae_ignores_padding_contents():
     mask = prefix_mask([2, 4], 4)
-    rewards, values = torch.randn(2, 4), torch.randn(2, 4)
-    garbage_r, garbage_v = rewards + 100 * (1 - mask), values - 50 * (1 - mask)
+    rewards = torch.randn(2, 4)
+    values = torch.randn(2, 4)
+    garbage_r = rewards + 100 * (1 - mask)
+    garbage_v = values - 50 * (1 - mask)
     a1, _ = ppo.gae_advantages(rewards, values, mask, 1.0, 0.95)
     a2, _ = ppo.gae_advantages(garbage_r, garbage_v, mask, 1.0, 0.95)
     torch.testing.assert_close(a1, a2)
@@ -112,7 +116,7 @@ def test_whitening_is_masked_and_per_batch():
 )
 def test_four_case_clipping_table(ratio, advantage, objective, has_gradient):
     logprobs = torch.tensor([math.log(ratio)], dtype=torch.float64, requires_grad=True)
-    loss, rho, clipped = ppo.policy_loss(
+    loss, rho, clipped = ppo.clip_loss(
         logprobs, torch.zeros(1, dtype=torch.float64), torch.tensor([advantage], dtype=torch.float64), 0.2, 0.2
     )
     assert -loss.item() == pytest.approx(objective, abs=1e-12)
@@ -126,7 +130,8 @@ def test_four_case_clipping_table(ratio, advantage, objective, has_gradient):
 
 
 def test_value_loss_clipped_by_hand():
-    values_old, returns = torch.zeros(3), torch.ones(3)
+    values_old = torch.zeros(3)
+    returns = torch.ones(3)
     values = torch.tensor([0.5, 0.1, 1.5], requires_grad=True)
     loss, clipped = ppo.value_loss(values, values_old, returns, 0.2)
     # 0.5: unclipped (0.5-1)^2 = 0.25, clipped to 0.2 -> 0.64: the larger, clipped, wins.
@@ -190,7 +195,9 @@ def test_running_moments_match_whole_stream():
         torch.randn(n, generator=g, dtype=torch.float64) * s + m
         for n, s, m in [(7, 1, 0), (64, 3, 2), (1, 1, 5), (30, 0.5, -1)]
     ]
-    mean, var, count = 0.0, 1.0, 0.0
+    mean = 0.0
+    var = 1.0
+    count = 0.0
     for i, b in enumerate(batches):
         mean, var, count = ppo.update_moments(mean, var, count, b.mean().item(), b.var(unbiased=False).item(), len(b))
         seen = torch.cat(batches[: i + 1])
@@ -230,7 +237,8 @@ def test_failure_alarms_fire_on_their_signatures():
     }
     for i in range(13, 40):  # a value loss that climbs past where it started
         fired = ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 3.0}, state, args)
-    assert fired["value_divergence"] and not fired["kl_explosion"]
+    assert fired["value_divergence"]
+    assert not fired["kl_explosion"]
 
 
 def test_distinct_n_by_hand():
@@ -240,7 +248,8 @@ def test_distinct_n_by_hand():
 
 
 def test_scores_take_the_minimum_over_reward_models():
-    rm_a, rm_b = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.0, 3.0, 0.5])
+    rm_a = torch.tensor([1.0, -2.0, 0.5])
+    rm_b = torch.tensor([0.0, 3.0, 0.5])
     assert ppo.combine_scores([rm_a, rm_b]).tolist() == [0.0, -2.0, 0.5]
     assert ppo.combine_scores([rm_a, rm_b], torch.tensor([1.0, 0.0, 1.0])).tolist() == [1.0, -2.0, 1.5]
     assert ppo.combine_scores([], torch.tensor([1.0, 0.0])).tolist() == [1.0, 0.0]
@@ -265,7 +274,8 @@ def test_gsm8k_reward_reads_the_last_number_against_the_answer_after_hashes():
     assert ppo.gsm8k_reward(responses, [answer] * 4) == [1.0, 0.0, 1.0, 0.0]
     # thousands separator, sign
     assert ppo.gsm8k_reward(["It costs $1,234 in total.", "-5"], ["#### 1234", "#### -5"]) == [1.0, 1.0]
-    assert ppo.last_number("1,234.50 and then 7") == 7.0 and ppo.last_number("2.50 dollars") == 2.5
+    assert ppo.last_number("1,234.50 and then 7") == 7.0
+    assert ppo.last_number("2.50 dollars") == 2.5
 
 
 def test_hub_dataset_configuration_is_passed_to_load_dataset(monkeypatch):
@@ -304,7 +314,8 @@ def test_sampled_logprobs_equal_teacher_forced():
         policy.lm_head.bias = None
     prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
     uniforms = torch.rand(6, 12, generator=torch.Generator().manual_seed(1))
-    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, 12, 0.7, EOS, PAD, uniforms)
+    sampling = ppo.Sampling(12, 0.7, EOS, PAD)
+    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
     lengths = response_mask.sum(1)
     assert 0 < (responses == EOS).any(1).sum() < len(responses) or lengths.min() < 12  # a mix of stopped and running
     for b in range(len(responses)):  # the mask covers the response up to and including its EOS, pad after
@@ -312,7 +323,8 @@ def test_sampled_logprobs_equal_teacher_forced():
         eos_at = (responses[b] == EOS).nonzero()
         if len(eos_at):
             assert n == eos_at[0].item() + 1
-        assert (responses[b, n:] == PAD).all() and (logprobs_old[b, n:] == 0).all()
+        assert (responses[b, n:] == PAD).all()
+        assert (logprobs_old[b, n:] == 0).all()
     input_ids = torch.cat([prompt_ids, responses], 1)
     attention_mask = torch.cat([prompt_mask, response_mask], 1)
     with torch.no_grad():
@@ -328,9 +340,8 @@ def test_sampling_follows_the_tempered_softmax():
     prompt_ids, prompt_mask = left_padded_prompts([4], 40, seed=3)
     n = 20_000
     uniforms = torch.rand(n, 1, generator=torch.Generator().manual_seed(4))
-    tokens = ppo.generate(policy, prompt_ids.expand(n, -1), prompt_mask.expand(n, -1), 1, 0.7, EOS, PAD, uniforms)[0][
-        :, 0
-    ]
+    sampling = ppo.Sampling(1, 0.7, EOS, PAD)
+    tokens = ppo.generate(policy, prompt_ids.expand(n, -1), prompt_mask.expand(n, -1), sampling, uniforms)[0][:, 0]
     with torch.no_grad():
         probs = torch.softmax(policy(input_ids=prompt_ids).logits[0, -1].double() / 0.7, -1)
     frequency = torch.bincount(tokens, minlength=len(probs)).double() / n
@@ -346,22 +357,16 @@ def test_a_response_does_not_depend_on_its_batch(decode):
     policy = LlamaForCausalLM(tiny_config()).eval()
     prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
     uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(2))
-    together = ppo.generate(policy, prompt_ids, prompt_mask, 10, 0.7, EOS, PAD, uniforms, decode)
+    sampling = ppo.Sampling(10, 0.7, EOS, PAD, decode)
+    together = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
     for b in range(6):
         width = int(prompt_mask[b].sum())
         alone = ppo.generate(
-            policy,
-            prompt_ids[b : b + 1, -width:],
-            prompt_mask[b : b + 1, -width:],
-            10,
-            0.7,
-            EOS,
-            PAD,
-            uniforms[b : b + 1],
-            decode,
+            policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], sampling, uniforms[b : b + 1]
         )
         n = alone[0].shape[1]
-        assert torch.equal(alone[0][0], together[0][b, :n]) and (together[2][b, n:] == 0).all()
+        assert torch.equal(alone[0][0], together[0][b, :n])
+        assert (together[2][b, n:] == 0).all()
         torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=1e-5, rtol=1e-5)
 
 
@@ -378,13 +383,12 @@ def test_static_decode_samples_what_the_dynamic_loop_samples():
     prompt_ids, prompt_mask = left_padded_prompts([3, 17, 9, 24, 1, 12, 20, 5], len(tokenizer), seed=3)
     uniforms = torch.rand(8, 24, generator=torch.Generator().manual_seed(3))
     for temperature in (0.7, 1.0):
-        expected = ppo.generate(
-            policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id, uniforms
-        )
-        got = ppo.generate(
-            policy, prompt_ids, prompt_mask, 24, temperature, stop_ids, tokenizer.pad_token_id, uniforms, "static"
-        )
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+        dynamic = ppo.Sampling(24, temperature, stop_ids, tokenizer.pad_token_id)
+        static = ppo.Sampling(24, temperature, stop_ids, tokenizer.pad_token_id, "static")
+        expected = ppo.generate(policy, prompt_ids, prompt_mask, dynamic, uniforms)
+        got = ppo.generate(policy, prompt_ids, prompt_mask, static, uniforms)
+        assert torch.equal(got[0], expected[0])
+        assert torch.equal(got[2], expected[2])
         torch.testing.assert_close(got[1], expected[1], atol=2e-5, rtol=0)
 
 
@@ -497,7 +501,8 @@ def test_bad_datasets(tmp_path):
             str(tmp_path / "long.jsonl"), "train", args_with(max_prompt_length=16, truncate_prompts=True), tokenizer
         )
     full = tokenizer("the food was " * 20, add_special_tokens=False)["input_ids"]
-    assert prompts[0] == full[-16:] and prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
+    assert prompts[0] == full[-16:]
+    assert prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="needs an answer column"):
         ppo.load_prompts(
             str(tmp_path / "long.jsonl"),
@@ -549,8 +554,11 @@ def test_smoke_run_on_embedded_default(tmp_path):
     out, rows, stdout = run_ppo(tmp_path)
     assert [r["iteration"] for r in rows] == [0, 1, 2]  # 0: the starting policy's held-out score
     # before training, then after the last
-    assert "eval/score" in rows[0] and "eval/score" not in rows[1] and "eval/score" in rows[2]
-    assert -5 < rows[0]["eval/score"] < 5 and -5 < rows[0]["eval/score_greedy"] < 5
+    assert "eval/score" in rows[0]
+    assert "eval/score" not in rows[1]
+    assert "eval/score" in rows[2]
+    assert -5 < rows[0]["eval/score"] < 5
+    assert -5 < rows[0]["eval/score_greedy"] < 5
     rows = rows[1:]
     for r in rows:
         for key in (
@@ -568,7 +576,8 @@ def test_smoke_run_on_embedded_default(tmp_path):
             "time/tokens_per_second",
         ):
             assert math.isfinite(r[key]), key
-        assert 1 <= r["response/length"] <= 8 and 0 <= r["response/eos_rate"] <= 1
+        assert 1 <= r["response/length"] <= 8
+        assert 0 <= r["response/eos_rate"] <= 1
         # logprobs_old were recorded at sampling time, so before any update the ratio is 1
         assert r["policy/first_ratio_dev"] < 1e-4
     # the policy is the reference on the first rollout
@@ -655,15 +664,18 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
         ).last_hidden_state
     torch.testing.assert_close(values, (hidden @ critic.score.weight.T).squeeze(-1), atol=1e-5, rtol=1e-5)
     (values * attention_mask).sum().backward()  # the value loss alone
-    assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0 and policy.lm_head.weight.grad is None
-    policy.zero_grad(), critic.zero_grad()
+    assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+    assert policy.lm_head.weight.grad is None
+    policy.zero_grad()
+    critic.zero_grad()
     # In training the head reads the trunk's output of the log-prob forward: the same values, one trunk pass for both
     # heads. That forward runs the LM head on the positions the response's tokens are predicted from alone (P - 1 on).
     logprobs = ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0)
     reused = critic(hidden=critic.trunk_output).squeeze(-1)
     torch.testing.assert_close(reused, values[:, 3 - 1 :], atol=1e-5, rtol=1e-5)
     (-logprobs.sum() + reused.sum()).backward()
-    assert policy.lm_head.weight.grad.abs().sum() > 0 and critic.score.weight.grad.abs().sum() > 0
+    assert policy.lm_head.weight.grad.abs().sum() > 0
+    assert critic.score.weight.grad.abs().sum() > 0
     trunk_grad = policy.model.layers[0].mlp.up_proj.weight.grad.clone()
     policy.zero_grad()
     ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0).sum().neg().backward()
@@ -725,8 +737,11 @@ def test_a_run_with_a_shared_backbone(tmp_path):
         "0",
     )
     assert [r["iteration"] for r in rows] == [1, 2]
-    assert rows[0]["val/mean"] == 0.0 and rows[1]["val/loss"] > 0  # the head starts at V = 0 and is trained
-    assert "grad_norm/value" in rows[1] and rows[1]["grad_norm/value"] > 0
+    # the head starts at V = 0 and is trained
+    assert rows[0]["val/mean"] == 0.0
+    assert rows[1]["val/loss"] > 0
+    assert "grad_norm/value" in rows[1]
+    assert rows[1]["grad_norm/value"] > 0
     # one model fewer: the critic's weights and Adam states (as large as the policy's here) are not held
     assert rows[0]["memory/model_states_mb"] < 0.75 * plain[0]["memory/model_states_mb"]
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "shared")).config.architectures == ["LlamaForCausalLM"]

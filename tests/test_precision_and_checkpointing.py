@@ -24,10 +24,15 @@ def batch():
 
 def loss_and_block_calls(model):
     """The gradient of a log-prob loss, and how often the first block's MLP ran for one forward and backward."""
-    calls, mlp = [], model.model.layers[0].mlp
+    calls = []
+    mlp = model.model.layers[0].mlp
     forward = mlp.forward
-    # counted even in the backward's recompute, which runs no hooks
-    mlp.forward = lambda x: calls.append(1) or forward(x)
+
+    def counted(x):  # counted even in the backward's recompute, which runs no hooks
+        calls.append(1)
+        return forward(x)
+
+    mlp.forward = counted
     input_ids, attention_mask = batch()
     logprobs = ppo.response_logprobs(model, input_ids, attention_mask, 3, 0.7)
     (-(logprobs * attention_mask[:, 3:]).sum()).backward()
@@ -59,9 +64,8 @@ def test_mixed_precision_computes_in_bf16_over_float32_weights():
         input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
     ).logits
     assert logits.dtype == torch.bfloat16
-    assert all(p.dtype == torch.float32 for p in policy.parameters()) and all(
-        p.dtype == torch.bfloat16 for p in frozen.parameters()
-    )
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in frozen.parameters())
     grads, _ = loss_and_block_calls(policy)
     assert all(g.dtype == torch.float32 for g in grads.values())
     # bf16 keeps 8 bits of mantissa (0.4%): the log-probs are float32's to about 1%, and not bitwise (bf16 did run)
@@ -81,9 +85,8 @@ def test_the_static_decode_loop_records_the_training_log_probs_with_the_option(o
     policy = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(**{option: True}), "cpu", trained=True)
     prompt_ids, prompt_mask = batch()
     uniforms = torch.rand(3, 12, generator=torch.Generator().manual_seed(5))
-    responses, logprobs, response_mask = ppo.generate(
-        policy, prompt_ids, prompt_mask, 12, 0.7, torch.tensor([0]), 1, uniforms, "static"
-    )
+    sampling = ppo.Sampling(12, 0.7, torch.tensor([0]), 1, "static")
+    responses, logprobs, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
     input_ids = torch.cat([prompt_ids, responses], 1)
     with torch.no_grad():
         teacher_forced = ppo.response_logprobs(

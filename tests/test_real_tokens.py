@@ -21,18 +21,24 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import ppo
 
-PROMPTS, RESPONSES = [2, 5, 3, 1, 4], [1, 4, 2, 6, 3]  # real lengths; rows padded to 7 prompt and 8 response columns
-P, T = 7, 8
+# real lengths; rows padded to 7 prompt and 8 response columns
+PROMPTS = [2, 5, 3, 1, 4]
+RESPONSES = [1, 4, 2, 6, 3]
+P = 7
+T = 8
 
 
 def padded_batch(vocab, seed=0):
     """Five rows: prompts left-padded to P (two columns more than the longest), responses right-padded to T (two
     more), the layout the scripts' rollouts have. Returns input_ids, attention_mask (5, P + T) and each row's tokens."""
     g = torch.Generator().manual_seed(seed)
-    input_ids, attention_mask, rows = torch.full((5, P + T), PAD), torch.zeros(5, P + T, dtype=torch.long), []
+    input_ids = torch.full((5, P + T), PAD)
+    attention_mask = torch.zeros(5, P + T, dtype=torch.long)
+    rows = []
     for b, (n, m) in enumerate(zip(PROMPTS, RESPONSES)):
         tokens = torch.randint(2, vocab, (n + m,), generator=g)
-        input_ids[b, P - n : P + m], attention_mask[b, P - n : P + m] = tokens, 1
+        input_ids[b, P - n : P + m] = tokens
+        attention_mask[b, P - n : P + m] = 1
         rows.append(tokens)
     return input_ids, attention_mask, rows
 
@@ -70,9 +76,14 @@ def test_cut_forwards_equal_each_row_alone_in_float64(name):
     critic = AutoModelForSequenceClassification.from_config(FAMILIES[name](num_labels=1), **eager).double().eval()
     input_ids, attention_mask, rows = padded_batch(len(TOKENIZER))
     cut, p = ppo.cut_padding(dict(input_ids=input_ids, attention_mask=attention_mask), P)
-    assert p == max(PROMPTS) and cut["input_ids"].shape[1] == max(PROMPTS) + max(RESPONSES)
+    assert p == max(PROMPTS)
+    assert cut["input_ids"].shape[1] == max(PROMPTS) + max(RESPONSES)
     values = []
-    hook = critic.score.register_forward_hook(lambda module, inputs, output: values.append(output[..., 0]))
+
+    def record_values(module, inputs, output):
+        values.append(output[..., 0])
+
+    hook = critic.score.register_forward_hook(record_values)
     with torch.no_grad():
         outputs = []
         for ids, mask, start in ((input_ids, attention_mask, P), (cut["input_ids"], cut["attention_mask"], p)):
@@ -111,7 +122,11 @@ def test_the_rollouts_chunks_equal_each_row_alone(embedded):
     policy, rm = embedded
     input_ids, attention_mask, rows = padded_batch(len(TOKENIZER), seed=1)
     head_positions = []
-    hook = policy.get_output_embeddings().register_forward_hook(lambda m, x, _: head_positions.append(x[0].shape[1]))
+
+    def record_positions(module, inputs, output):
+        head_positions.append(inputs[0].shape[1])
+
+    hook = policy.get_output_embeddings().register_forward_hook(record_positions)
     with torch.no_grad():
         logprobs = ppo.in_chunks(
             lambda i, m, p: ppo.response_logprobs(policy, i, m, p, 0.7), 2, input_ids, attention_mask, P
@@ -119,16 +134,16 @@ def test_the_rollouts_chunks_equal_each_row_alone(embedded):
         values = ppo.in_chunks(
             lambda i, m, p: ppo.head_outputs(rm, i, m)[:, p - 1 : -1], 2, input_ids, attention_mask, P
         )
-        scores, _, _, _ = ppo.score_responses(
-            [(rm, None)], [], TOKENIZER, input_ids, attention_mask, P, [{}] * 5, ppo.Args(micro_batch_size=2)
-        )
+        scorer = ppo.Scorer([(rm, None)], [], TOKENIZER)
+        scores = ppo.score_responses(scorer, input_ids, attention_mask, P, [{}] * 5, ppo.Args(micro_batch_size=2)).raw
         hook.remove()
         assert logprobs.shape == values.shape == (5, T)
         # Sorted by length (3, 9, 5, 7, 7 tokens) the chunks are rows (0, 2), (3, 4), (1,): the LM head runs on each
         # one's longest response and the position before it
         assert head_positions == [2 + 1, 6 + 1, 4 + 1]
         for b, tokens in enumerate(rows):
-            n, m = PROMPTS[b], RESPONSES[b]
+            n = PROMPTS[b]
+            m = RESPONSES[b]
             expected, _ = alone_logprobs(policy, tokens, n, 0.7)
             torch.testing.assert_close(logprobs[b, :m].double(), expected, atol=1e-5, rtol=1e-6)
             assert (logprobs[b, m:] == 0).all()  # the values there are the scripts' to mask (values_old is)

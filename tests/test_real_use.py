@@ -16,9 +16,10 @@ import sys
 import time
 
 import pytest
+import test_robustness
 import torch
 from helpers import ROOT, TORCHRUN, run_script, torchrun
-from test_robustness import (  # noqa: F401 (fixtures: the same tiny runs)
+from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fixture, which sets the tiny runs' data)
     ENV,
     TINY,
     assert_bitwise_equal,
@@ -30,7 +31,6 @@ from test_robustness import (  # noqa: F401 (fixtures: the same tiny runs)
     run_as_found,
     small_held_out_set,
     tiny_args,
-    uninterrupted,
     wait_for,
     without_timing,
 )
@@ -38,6 +38,10 @@ from transformers import AutoTokenizer
 
 import grpo
 import ppo
+
+# test_robustness's fixture of the tiny runs, never stopped, for the tests here that take it (a fixture is found by
+# its name in the test's module)
+uninterrupted = test_robustness.uninterrupted
 
 # ---------------------------------------------------------------- one run per folder
 
@@ -63,7 +67,8 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_writes_nothing(tmp_path)
         timeout=240,
     )
     holder = f"process {first.pid} on {os.uname().nodename}"
-    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert second.returncode == 1, second.stderr[-3000:]
+    assert "Traceback" not in second.stderr, second.stderr[-3000:]
     assert second.stderr.strip().endswith(
         f"--output_dir '{out}' is in use by another run ({holder}, its "
         f"{out}/run.lock); wait for it to end, or pass another --output_dir."
@@ -71,7 +76,9 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_writes_nothing(tmp_path)
     assert {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)} == before
     first.send_signal(signal.SIGCONT)
     first.communicate(timeout=240)
-    assert first.returncode == 0 and len(read_rows(out)) == 20  # the first run went on, alone
+    # the first run went on, alone
+    assert first.returncode == 0
+    assert len(read_rows(out)) == 20
 
 
 def test_a_lock_left_by_a_process_that_ended_is_taken_over_and_said(tmp_path):
@@ -109,7 +116,8 @@ def test_a_reward_failing_in_iteration_1_resumes_bitwise(script, tmp_path):
     out = tmp_path / "run"
     proc = launch(script, out, args, prelude=failing_reward(tmp_path, 1, rank=0))
     printed = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 1 and "stopped after iteration 0; to go on:" in printed, printed[-3000:]
+    assert proc.returncode == 1, printed[-3000:]
+    assert "stopped after iteration 0; to go on:" in printed, printed[-3000:]
     printed = resume_as_printed(printed, out / "checkpoint-0")
     assert "torch.distributed is disabled" not in printed  # a plain run's checkpoint is one process's, as meant
     assert without_timing(read_rows(out)) == without_timing(full)
@@ -158,10 +166,12 @@ def test_a_reward_failing_in_an_evaluation_is_evaluated_again_on_resume(script, 
     ]
     full, _ = run_script(script, tmp_path / "full", *args)
     assert [r["iteration"] for r in full if "eval/score" in r] == [0, 6]
-    out, (from_batch, iteration) = tmp_path / "run", {"first": (1, 0), "last": (9, 6)}[which]
+    out = tmp_path / "run"
+    from_batch, iteration = {"first": (1, 0), "last": (9, 6)}[which]
     proc = launch(script, out, args, prelude=failing_reward(tmp_path, from_batch, rank=0))
     printed = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 1 and f"stopped after iteration {iteration}; to go on:" in printed, printed[-3000:]
+    assert proc.returncode == 1, printed[-3000:]
+    assert f"stopped after iteration {iteration}; to go on:" in printed, printed[-3000:]
     printed = resume_as_printed(printed, out / f"checkpoint-{iteration}")
     assert f"iter {iteration} ({'redone' if iteration else 'before training'}) | held-out score" in printed
     assert merged(read_rows(out)) == without_timing(full)
@@ -199,7 +209,8 @@ def with_an_executor(responses, answers):
 
 def takes_its_inputs(responses, answers):
     scores = in_process(responses, answers)
-    responses.clear(), answers.pop()
+    responses.clear()
+    answers.pop()
     return scores
 
 
@@ -254,7 +265,8 @@ def test_sys_exit_in_reward_code_is_a_reward_failure(reward_file, tmp_path):
     proc = launch("grpo.py", out, [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:exits"])
     printed = proc.communicate(timeout=240)[0]
     assert proc.returncode == 1, printed[-3000:]
-    assert "is an error (SystemExit: 0); fix the reward" in printed and "--resume" in printed
+    assert "is an error (SystemExit: 0); fix the reward" in printed
+    assert "--resume" in printed
     assert "Traceback" not in printed
 
 
@@ -265,10 +277,12 @@ def test_a_hung_reward_stops_at_its_timeout_and_the_resumed_run_is_the_one_never
     args = [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:hangs_once", "--save_every", "3"]
     full, _ = run_script("grpo.py", tmp_path / "full", *args)
     (tmp_path / "hang").touch()
-    out, started = tmp_path / "run", time.time()
+    out = tmp_path / "run"
+    started = time.time()
     proc = launch("grpo.py", out, [*args, "--reward_timeout", "2"])
     printed = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 1 and "Traceback" not in printed, printed[-3000:]
+    assert proc.returncode == 1, printed[-3000:]
+    assert "Traceback" not in printed, printed[-3000:]
     assert "is an error (TimeoutError: no answer within --reward_timeout 2 s); fix the reward" in printed
     assert time.time() - started < 120  # not the 600 s of the hang
     command = printed.split("to go on:\n")[1].splitlines()[0].strip()
@@ -299,8 +313,10 @@ def test_sigterm_stops_a_run_whose_reward_hangs_within_the_timeout(reward_file, 
         signalled = time.time()
         printed = proc.communicate(timeout=240)[0]
         assert time.time() - signalled < 30, name
-        assert proc.returncode == 1 and "SIGTERM: stopping to save" in printed, printed[-3000:]
-        assert "TimeoutError: no answer within --reward_timeout 5 s" in printed and "--resume" in printed
+        assert proc.returncode == 1, printed[-3000:]
+        assert "SIGTERM: stopping to save" in printed, printed[-3000:]
+        assert "TimeoutError: no answer within --reward_timeout 5 s" in printed
+        assert "--resume" in printed
         # a forked worker has its parent's command line, which names this run's folder; one left behind (the run
         # gone, the worker handed to init) would still be found by it
         left = subprocess.run(["pgrep", "-f", f"--output_dir {out} "], capture_output=True, text=True).stdout
@@ -329,13 +345,15 @@ def test_a_wrong_return_is_named(returned, why):
 
 
 def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
-    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    out = tmp_path / "run"
+    elsewhere = tmp_path / "elsewhere"
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1))  # checkpoint-1 and -2
     elsewhere.mkdir()
     shutil.move(out / "checkpoint-1", elsewhere / "checkpoint-1")
     os.symlink(elsewhere / "checkpoint-1", out / "checkpoint-1")
     rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=32, save_every=1), "--resume", "auto")
-    assert len(rows) == 4 and sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
+    assert len(rows) == 4
+    assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
         "checkpoint-3",
         "checkpoint-4",
     ]
@@ -363,7 +381,8 @@ def test_a_resume_may_raise_the_reward_timeout_and_change_the_micro_batch(tmp_pa
     rows, printed = run_script(
         "grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60), "--resume", "auto"
     )
-    assert [r["iteration"] for r in rows] == [1, 2, 3] and "other values of" not in printed
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert "other values of" not in printed
 
 
 # ---------------------------------------------------------------- data as people have it
@@ -423,7 +442,9 @@ def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_time
         time.sleep(30)
 
     scores, why = grpo.call_reward_fn(grader, ["a", "b", "c"], [1, 2, 3], timeout=0.5)
-    assert calls == [3, 1] and all(s != s for s in scores) and len(scores) == 3
+    assert calls == [3, 1]
+    assert all(s != s for s in scores)
+    assert len(scores) == 3
     assert why == "an error (TimeoutError: no answer within --reward_timeout 0.5 s)"
 
 
@@ -526,11 +547,13 @@ def test_a_resume_onto_a_policy_of_another_size_is_refused_in_one_sentence(tmp_p
     and the resume says so instead of DCP's traceback."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    policy, out = tmp_path / "policy", tmp_path / "run"
+    policy = tmp_path / "policy"
+    out = tmp_path / "run"
     shutil.copytree(os.path.join(ROOT, "assets", "tiny-sft"), policy)
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=8), "--model_name_or_path", str(policy))
     config = AutoConfig.from_pretrained(policy)
-    config.hidden_size, config.intermediate_size = 2 * config.hidden_size, 2 * config.intermediate_size
+    config.hidden_size = 2 * config.hidden_size
+    config.intermediate_size = 2 * config.intermediate_size
     AutoModelForCausalLM.from_config(config).save_pretrained(policy)
     args = grpo.Args(
         **{**TINY["grpo.py"], "total_episodes": 16}, model_name_or_path=str(policy), output_dir=str(out), resume="auto"
@@ -559,7 +582,8 @@ def test_a_reward_file_that_fails_on_one_process_stops_both_and_says_why_once(tm
     assert result.returncode != 0
     said = f"--reward_fn {rule}:score: '{rule}' could not be loaded (RuntimeError: no grader on this node)"
     assert result.stderr.count(said) == 1, result.stderr[-3000:]
-    assert "Connection closed by peer" not in result.stderr and not (tmp_path / "run").exists()
+    assert "Connection closed by peer" not in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_eval_every_without_a_held_out_set_is_said(tmp_path):
@@ -591,7 +615,8 @@ def hangs_on_rank_1(tmp_path):
     "hanging" in tmp_path."""
     rule = tmp_path / "rule.py"
     rule.write_text(
-        "import os, time\n"
+        "import os\n"
+        "import time\n"
         "calls = []\n"
         "def score(responses, answers):\n"
         "    calls.append(1)\n"
@@ -607,7 +632,8 @@ def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
     """Under torchrun the grader hangs on rank 1 only, at its second call: rank 1's alarm makes it a reward failure,
     and the stop reaches rank 0 too. Both save checkpoint-1 (the state before the hung rollout), and rank 0 names the
     timeout and prints the torchrun command that goes on."""
-    rule, out = hangs_on_rank_1(tmp_path), tmp_path / "run"
+    rule = hangs_on_rank_1(tmp_path)
+    out = tmp_path / "run"
     start = time.time()
     result = torchrun(
         "grpo.py",
@@ -623,10 +649,12 @@ def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
         "--reward_timeout",
         "3",
     )
-    assert result.returncode != 0 and time.time() - start < 300
+    assert result.returncode != 0
+    assert time.time() - start < 300
     assert "is an error (TimeoutError: no answer within --reward_timeout 3 s)" in result.stderr, result.stderr[-3000:]
     assert "stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 " in result.stdout
-    assert os.listdir(out / "checkpoint-1") and not grpo.checkpoint_damage(str(out / "checkpoint-1"))
+    assert os.listdir(out / "checkpoint-1")
+    assert not grpo.checkpoint_damage(str(out / "checkpoint-1"))
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
@@ -643,7 +671,8 @@ def test_the_seed_help_says_what_the_code_does(script):
     )
     text = " ".join(result.stdout.split())
     seed_help = text[text.index("--seed") :][:200]
-    assert "the same on every process" in seed_help and "rank" not in seed_help
+    assert "the same on every process" in seed_help
+    assert "rank" not in seed_help
     assert "torch.manual_seed(args.seed)" in open(os.path.join(ROOT, script)).read()
 
 
@@ -651,7 +680,8 @@ def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp
     """SIGTERM to torchrun while rank 1's grader hangs: torchrun passes it to both processes, rank 1 leaves the hung
     call when its alarm rings (within --reward_timeout), and the stop reaches rank 0: both save checkpoint-1, well
     before torchrun's own 30 s grace would kill them."""
-    rule, out = hangs_on_rank_1(tmp_path), tmp_path / "run"
+    rule = hangs_on_rank_1(tmp_path)
+    out = tmp_path / "run"
     proc = subprocess.Popen(
         [
             *TORCHRUN,
@@ -680,5 +710,6 @@ def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp
     proc.send_signal(signal.SIGTERM)
     printed = proc.communicate(timeout=120)[0]
     assert time.time() - start < 25, printed[-3000:]
-    assert "SIGTERM: stopping to save a checkpoint" in printed and "stopped after iteration 1" in printed
+    assert "SIGTERM: stopping to save a checkpoint" in printed
+    assert "stopped after iteration 1" in printed
     assert not grpo.checkpoint_damage(str(out / "checkpoint-1"))

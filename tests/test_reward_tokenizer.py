@@ -69,9 +69,7 @@ def scored_batch(reward_models, args):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     rows = [{"prompt": p} for p in PROMPTS]
     return ppo.score_responses(
-        reward_models,
-        [],
-        tokenizer,
+        ppo.Scorer(reward_models, [], tokenizer),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
@@ -84,15 +82,16 @@ def test_a_reward_model_with_its_own_tokenizer_scores_the_text(other_rm):
     args = ppo.Args(reward_model_path=(other_rm,))
     policy_tokenizer = AutoTokenizer.from_pretrained(POLICY)
     ((rm, own),) = ppo.load_reward_models(args, policy_tokenizer, "cpu")
-    assert own is not None and own.get_vocab() != policy_tokenizer.get_vocab()
-    score, _, texts, _ = scored_batch([(rm, own)], args)
-    assert texts == RESPONSES  # the decoded responses, EOS dropped
+    assert own is not None
+    assert own.get_vocab() != policy_tokenizer.get_vocab()
+    scores = scored_batch([(rm, own)], args)
+    assert scores.texts == RESPONSES  # the decoded responses, EOS dropped
     with torch.no_grad():  # the same text, one unpadded sequence at a time, through transformers' own pooling
         direct = [
             rm(input_ids=torch.tensor([own(p + r)["input_ids"]])).logits[0, 0].item()
             for p, r in zip(PROMPTS, RESPONSES)
         ]
-    torch.testing.assert_close(score, torch.tensor(direct), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scores.raw, torch.tensor(direct), atol=1e-5, rtol=1e-5)
 
 
 def test_the_reward_models_chat_template_frames_the_text(other_rm):
@@ -114,7 +113,7 @@ def test_a_reward_model_on_the_policys_tokenizer_reads_the_token_ids():
     args = ppo.Args()
     ((rm, own),) = ppo.load_reward_models(args, AutoTokenizer.from_pretrained(POLICY), "cpu")
     assert own is None
-    score, _, _, _ = scored_batch([(rm, own)], args)
+    score = scored_batch([(rm, own)], args).raw
     tokenizer = AutoTokenizer.from_pretrained(POLICY)
     with torch.no_grad():
         direct = [

@@ -172,7 +172,8 @@ def test_a_stopped_and_resumed_run_is_the_same_run(script, stop, tmp_path, unint
     assert not os.path.exists(out / "model.safetensors")  # it did not run to the end
     # The very command it printed resumes the run.
     argv = shlex.split(command)
-    assert argv[0] == "python" and "--resume" in argv
+    assert argv[0] == "python"
+    assert "--resume" in argv
     result = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == full_rows
@@ -205,7 +206,8 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     printed = proc.communicate(timeout=240)[0]
-    assert proc.returncode != 0 and not os.path.exists(out / "model.safetensors"), printed[-3000:]
+    assert proc.returncode != 0, printed[-3000:]
+    assert not os.path.exists(out / "model.safetensors"), printed[-3000:]
     argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
     assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
     checkpoint = argv[argv.index("--resume") + 1]
@@ -226,10 +228,15 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
     _, full_rows, full_state = uninterrupted("ppo.py")
-    out, flag = tmp_path / "run", tmp_path / "saving"
+    out = tmp_path / "run"
+    flag = tmp_path / "saving"
     prelude = tmp_path / "slow_save.py"
-    prelude.write_text(f"""import os, runpy, sys, time
+    prelude.write_text(f"""import runpy
+import sys
+import time
+
 import torch.distributed.checkpoint as dcp
+
 save = dcp.save
 def slow_save(state_dict, checkpoint_id):  # the save of checkpoint-2 hangs before its rename, long enough to be killed
     save(state_dict, checkpoint_id=checkpoint_id)
@@ -256,7 +263,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
         "metrics.jsonl",
         "state.json",
     ]
-    assert (out / "checkpoint-2.tmp").exists() and not (out / "checkpoint-2").exists()
+    assert (out / "checkpoint-2.tmp").exists()
+    assert not (out / "checkpoint-2").exists()
     rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
     assert f"resuming from {out / 'checkpoint-1'}" in printed
     assert not (out / "checkpoint-2.tmp").exists()  # the first save that succeeds clears what the kill left
@@ -303,19 +311,23 @@ def args_for(script, out, **kw):
 
 # A function of each script that every training forward goes through once (rloo.py's REINFORCE loss skips the clipped
 # one).
-LOSS_FUNCTION = {"ppo.py": "policy_loss", "grpo.py": "policy_loss", "rloo.py": "loss_weights"}
+LOSS_FUNCTION = {"ppo.py": "clip_loss", "grpo.py": "clip_loss", "rloo.py": "loss_weights"}
 
 
 def poison_the_loss(monkeypatch, script, bad_calls):
     """Make the loss nan on the given calls (1-based), as a bf16 overflow would."""
-    module, name = MODULES[script], LOSS_FUNCTION[script]
-    calls, real = [], getattr(module, name)
+    module = MODULES[script]
+    name = LOSS_FUNCTION[script]
+    calls = []
+    real = getattr(module, name)
 
     def poisoned(*args):
         calls.append(1)
         out = real(*args)
         nan = float("nan") if len(calls) in bad_calls else 1.0
-        return (out[0] * nan, *out[1:]) if isinstance(out, tuple) else out * nan
+        if isinstance(out, tuple):  # (the loss, what else the function returns)
+            return (out[0] * nan, *out[1:])
+        return out * nan
 
     monkeypatch.setattr(module, name, poisoned)
 
@@ -364,9 +376,7 @@ def scored(fn, on_reward_error="stop", penalty=1.0):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
     return ppo.score_responses(
-        [],
-        [("fn", fn)],
-        tokenizer,
+        ppo.Scorer([], [("fn", fn)], tokenizer),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
@@ -386,16 +396,20 @@ def test_a_failing_reward_function_is_pinned_on_its_response():
     ):
         scored(fails_on_words)
     # with the penalty it scores --missing_eos_penalty below the lowest valid score of the batch: min(1, 1, 1) - 0.5
-    score, rule_scores, texts, errors = scored(fails_on_words, "penalty", penalty=0.5)
-    assert score.tolist() == [1.0, 1.0, 0.5, 1.0] and errors == 1 and texts == RESPONSES
-    assert rule_scores["objective/accuracy"].tolist() == [1.0, 1.0, 0.0, 1.0]  # the accuracy counts it as wrong
+    scores = scored(fails_on_words, "penalty", penalty=0.5)
+    assert scores.raw.tolist() == [1.0, 1.0, 0.5, 1.0]
+    assert scores.failed == 1
+    assert scores.texts == RESPONSES
+    reward_metrics = scores.metrics
+    assert reward_metrics["objective/rule_reward"].tolist() == [1.0, 1.0, 0.0, 1.0]  # the rule counts it as wrong
 
 
 def test_a_non_finite_score_is_named():
     with pytest.raises(SystemExit, match=r"the response '9' to the prompt 'what is 9\+0\?' is not a finite number"):
         scored(lambda texts, answers: [0.0, 1.0, 2.0, float("inf")])
-    score, _, _, errors = scored(lambda texts, answers: [0.0, float("nan"), 2.0, 3.0], "penalty")
-    assert score.tolist() == [0.0, -1.0, 2.0, 3.0] and errors == 1
+    scores = scored(lambda texts, answers: [0.0, float("nan"), 2.0, 3.0], "penalty")
+    assert scores.raw.tolist() == [0.0, -1.0, 2.0, 3.0]
+    assert scores.failed == 1
 
 
 def test_a_wrong_number_of_scores_is_named():
@@ -405,11 +419,18 @@ def test_a_wrong_number_of_scores_is_named():
         r"responses; fix the reward",
     ):  # the count named, not one response blamed
         scored(lambda texts, answers: [1.0 for t in texts if t != "nine"])  # drops a response
+
+    def one_at_a_time(texts, answers):  # scores a single response, and raises on a batch of several
+        if len(texts) == 1:
+            return [1.0]
+        raise ZeroDivisionError("division by zero")
+
     with pytest.raises(
         SystemExit,
-        match="raises on the whole batch but on no single response; make it score a batch as it scores each response",
+        match=r"is nan: the batch's call raised \(ZeroDivisionError: division by zero\) but no single response's did; "
+        "make the reward score a batch as it scores each response",
     ):
-        scored(lambda texts, answers: [1.0] * len(texts) if len(texts) == 1 else 1 / 0)
+        scored(one_at_a_time)
     # every response failed: no batch minimum, and the advice is not the option already on
     with pytest.raises(
         SystemExit,
@@ -437,7 +458,9 @@ def test_penalised_reward_errors_are_counted_in_a_run(tmp_path, monkeypatch, kee
 def test_no_socket_is_opened_when_every_path_is_local(tmp_path):
     log = tmp_path / "sockets.log"
     prelude = tmp_path / "watch_sockets.py"
-    prelude.write_text(f"""import runpy, sys
+    prelude.write_text(f"""import runpy
+import sys
+
 log = open({str(log)!r}, "w")
 def hook(event, args):  # every socket operation passes through the audit hook, whichever library does it
     if event.startswith("socket."):
@@ -505,7 +528,8 @@ def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
     assert any(t.startswith("samples_") for t in tables)
     assert json.load(open(run / "files" / "media" / "table" / tables[0]))["columns"] == ["prompt", "response", "score"]
     record = next(run.glob("run-*.wandb")).read_bytes()
-    assert b"num_generations" in record and b"objective/kl" in record
+    assert b"num_generations" in record
+    assert b"objective/kl" in record
 
 
 # ---------------------------------------------------------------- bad input, in every script
@@ -540,7 +564,9 @@ COMMON_BAD = [
         dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft", "config.json")),
         "--model_name_or_path '.*config.json' is a file; pass the folder that holds the model",
     ),
-] + ([] if torch.cuda.is_available() else [(dict(decode="cuda_graph"), "--decode cuda_graph needs a GPU")])
+]
+if not torch.cuda.is_available():
+    COMMON_BAD.append((dict(decode="cuda_graph"), "--decode cuda_graph needs a GPU"))
 GROUP_BAD = [
     (dict(num_generations=1), "--num_generations must be at least 2"),
     (
@@ -571,7 +597,8 @@ def test_the_command_line_refuses_a_choice_it_does_not_offer(script, capsys):
             tyro.cli(MODULES[script].Args, args=[option, value], use_underscores=True)
         assert stopped.value.code == 2
         err = capsys.readouterr().err
-        assert value in err and option in err
+        assert value in err
+        assert option in err
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
@@ -625,7 +652,10 @@ def test_a_terminal_gets_a_live_progress_bar_and_a_log_file_only_lines(script, t
         bar = stderr.getvalue()
         if where == "terminal":
             # done, with the objective and the time left
-            assert "3/3" in bar and "score=" in bar and "kl=" in bar and "<00:00" in bar
+            assert "3/3" in bar
+            assert "score=" in bar
+            assert "kl=" in bar
+            assert "<00:00" in bar
         else:
             assert "3/3" not in bar
 
@@ -645,6 +675,11 @@ def flip_4k(path):
     path.write_bytes(bytes(data))
 
 
+def edit_manifest(path):
+    """The manifest's iteration changed from 6 to 7."""
+    path.write_text(path.read_text().replace('"iteration": 6', '"iteration": 7'))
+
+
 # Each kind of file of a checkpoint, damaged: (the file, what is done to it).
 DAMAGE = {
     "shard cut": ("__0_0.distcp", cut_in_half),
@@ -655,10 +690,7 @@ DAMAGE = {
     "metrics.jsonl deleted": ("metrics.jsonl", os.remove),
     "metrics.jsonl cut": ("metrics.jsonl", cut_in_half),
     "manifest deleted": ("manifest.json", os.remove),
-    "manifest edited": (
-        "manifest.json",
-        lambda p: p.write_text(p.read_text().replace('"iteration": 6', '"iteration": 7')),
-    ),
+    "manifest edited": ("manifest.json", edit_manifest),
 }
 
 
@@ -683,7 +715,8 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_taken(damage, tmp_path
     ppo.validate(args)  # no traceback, nothing loaded
     assert args.resume == str(out / "checkpoint-3")
     (skipped,) = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
-    assert skipped.startswith(f"--resume auto: skipping {out / 'checkpoint-6'}: ") and name in skipped
+    assert skipped.startswith(f"--resume auto: skipping {out / 'checkpoint-6'}: ")
+    assert name in skipped
     # named outright: one sentence with the file and the checkpoint to take instead
     with pytest.raises(
         SystemExit,
@@ -714,7 +747,8 @@ def test_a_resumed_log_keeps_the_runs_own_later_rows_in_the_first_free_side_file
     """Resumed from checkpoint-3 twice over: each time the log goes back to the checkpoint's rows, and the rows the run
     wrote after them go aside, the second time into a file of their own: nothing is overwritten."""
     out = run_as_found(tmp_path, uninterrupted)
-    checkpoint, metrics = out / "checkpoint-3", out / "metrics.jsonl"
+    checkpoint = out / "checkpoint-3"
+    metrics = out / "metrics.jsonl"
     whole = (checkpoint / "metrics.jsonl").read_text()
     own_log = metrics.read_text()  # the held-out row 0, iterations 1-6
     for later, side in (
@@ -791,14 +825,16 @@ def test_a_step_that_makes_a_weight_non_finite_stops_the_run_at_once(tmp_path, k
         r"'policy: model\..*' holds a nan or an inf; .*\(--model_dtype float32\)\.$",
     ):
         rloo.main(args_for("rloo.py", tmp_path, total_episodes=16, learning_rate=1e39, save_every=1))
-    assert rloo.checkpoints_in(str(tmp_path)) == [] and not (tmp_path / "model.safetensors").exists()
+    assert rloo.checkpoints_in(str(tmp_path)) == []
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_no_save_writes_a_non_finite_model(tmp_path):
     policy = torch.nn.Linear(2, 2)
     with torch.no_grad():
         policy.weight[1, 0] = float("nan")
-    models, optimizers = {"policy": policy}, {"policy": torch.optim.AdamW(policy.parameters())}
+    models = {"policy": policy}
+    optimizers = {"policy": torch.optim.AdamW(policy.parameters())}
     args = ppo.Args(output_dir=str(tmp_path))
     with pytest.raises(
         SystemExit,
@@ -815,11 +851,15 @@ def failing_reward(tmp_path, from_batch, rank):
     """A prelude that runs a script with its arithmetic reward behind a grading service that goes away at the given
     rollout (counting batches), on the given process; the script's own reward is the function fixed."""
     prelude = tmp_path / "failing_reward.py"
-    prelude.write_text(f"""import os, runpy, sys
+    prelude.write_text(f"""import os
+import runpy
+import sys
+
 sys.argv = sys.argv[1:]
 sys.path.insert(0, {ROOT!r})
 script = runpy.run_path(sys.argv[0], run_name="script")  # its functions; main not run yet
-arithmetic, batches = script["REWARD_FNS"]["arithmetic"], []
+arithmetic = script["REWARD_FNS"]["arithmetic"]
+batches = []
 def grading_service(texts, answers):
     batches.append(len(texts) > 1)
     if os.environ.get("RANK", "0") == {str(rank)!r} and sum(batches) >= {from_batch}:
@@ -839,7 +879,8 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_to_go_on_from(tmp_path,
     out = tmp_path / "run"
     proc = launch("grpo.py", out, cli("grpo.py", save_every=3), prelude=failing_reward(tmp_path, 3, rank=0))
     printed = proc.communicate(timeout=240)[0]
-    assert proc.returncode == 1 and "Traceback" not in printed, printed[-3000:]
+    assert proc.returncode == 1, printed[-3000:]
+    assert "Traceback" not in printed, printed[-3000:]
     assert "is an error (ConnectionError: the grading service went away); fix the reward" in printed
     command = printed.split("stopped after iteration 2; to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {out / 'checkpoint-2'}")
@@ -872,7 +913,8 @@ def test_a_reward_that_fails_on_one_process_stops_them_all_together(tmp_path):
         timeout=300,
     )
     printed = result.stdout + result.stderr
-    assert result.returncode != 0 and printed.count("the grading service went away") == 1, printed[-3000:]
+    assert result.returncode != 0, printed[-3000:]
+    assert printed.count("the grading service went away") == 1, printed[-3000:]
     assert printed.count("stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 ") == 1
     assert grpo.checkpoint_damage(str(out / "checkpoint-1")) is None
     assert sorted(os.listdir(out / "checkpoint-1")) == [
@@ -917,7 +959,8 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
         timeout=240,
         preexec_fn=files_of_a_megabyte,
     )
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(
         rf"writing {re.escape(str(out / 'checkpoint-4'))} failed \(.+\); '{re.escape(str(out))}' has "
         rf"\d+ MB free and about \d+ MB are needed: free some space \(or make the folder writable again\) "
