@@ -317,10 +317,8 @@ def shared_flags(algorithm, policy, rm, iterations, response_length):
         str(c["minibatch_size"]),
         "--response_length",
         str(response_length),
-        "--model_dtype",
-        "float32",
-        "--seed",
-        "1",
+        "--model_dtype=float32",
+        "--seed=1",
     ]
 
 
@@ -334,10 +332,8 @@ def commands(algorithm, policy, rm, iterations, response_length, out, venv=None)
         "--output_dir",
         os.path.join(out, "ours"),
         *flags,
-        "--eval_every",
-        "0",
-        "--save_every",
-        "0",
+        "--eval_every=0",
+        "--save_every=0",
         *c["ours_only"],
     ]
     trl = [

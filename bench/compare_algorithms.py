@@ -26,12 +26,12 @@ RESPONSES_PER_ITERATION = {"PPO": 64, "GRPO": 256, "RLOO": 64}  # the scripts' d
 TASKS = {
     "reviews": dict(
         responses=9600,
-        args=["--dataset", "assets/reviews/train.jsonl", "--reward_model_path", "assets/tiny-rm"],
+        args=["--dataset=assets/reviews/train.jsonl", "--reward_model_path", "assets/tiny-rm"],
         score="held-out reward-model score (T = 1)",
     ),
     "arithmetic": dict(
         responses=25600,
-        args=["--dataset", "assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path"],
+        args=["--dataset=assets/arithmetic/train.jsonl", "--reward_fn", "arithmetic", "--reward_model_path"],
         score="held-out accuracy (T = 1)",
     ),
 }
@@ -71,8 +71,7 @@ def run(algorithm, task, out, responses, evaluations):
         str(responses),
         "--eval_every",
         str(max(1, iterations // evaluations)),
-        "--save_every",
-        "0",
+        "--save_every=0",
     ]
     if task == "reviews" and algorithm == "GRPO":  # grpo.py's default task is arithmetic: no rule reward here
         cmd += ["--reward_fn"]
@@ -108,7 +107,7 @@ def main():
     if a.quick:
         for task in TASKS.values():
             task["responses"] = 256
-            task["args"] = task["args"] + ["--response_length", "8"]
+            task["args"] = task["args"] + ["--response_length=8"]
         a.evaluations = 1
     lines = []
     for task in a.tasks.split(","):
@@ -145,8 +144,7 @@ def main():
                 *paths,
                 "--labels",
                 *labels,
-                "--x",
-                "minutes",
+                "--x=minutes",
                 "--panels",
                 "eval/score",
                 "objective/kl",

@@ -18,6 +18,28 @@ ENV = {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}  # transfo
 ENV.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]  # gloo on the CPU
 
+# The sizes of a tiny run: 8 responses an iteration (ppo.py: 8 prompts; grpo.py and rloo.py: 2 prompts x 4 responses)
+# in one minibatch and one micro-batch, so one optimiser step an iteration. --total_episodes is each test's own (16:
+# two iterations).
+GROUPS_OF_FOUR = dict(rollout_batch_size=2, num_generations=4, minibatch_size=8, micro_batch_size=8)
+TINY_SIZES = {
+    "ppo.py": dict(rollout_batch_size=8, minibatch_size=8, micro_batch_size=8, num_epochs=1),
+    "grpo.py": GROUPS_OF_FOUR,
+    "rloo.py": GROUPS_OF_FOUR,
+}
+# grpo.py's and rloo.py's groups of 8: 4 prompts x 8 responses an iteration, in two minibatches of two micro-batches
+GROUPS_OF_EIGHT = ["--rollout_batch_size=4", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=8"]
+
+
+def options(**values):
+    """Command-line options of one value each, as `--name=value` strings."""
+    return [f"--{name}={value}" for name, value in values.items()]
+
+
+def tiny_run(script, **changes):
+    """The options of a tiny run of the script (TINY_SIZES), with the test's own options and changes."""
+    return options(**{**TINY_SIZES[script], **changes})
+
 
 def run_script(script, out, *args):
     """Run `python script --output_dir out args...` from the repository root; return the rows of its

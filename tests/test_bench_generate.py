@@ -18,10 +18,8 @@ def test_quick_run_writes_a_row_per_method(tmp_path):
         sys.executable,
         os.path.join(ROOT, "bench", "bench_generate.py"),
         "--quick",
-        "--device",
-        "cpu",
-        "--threads",
-        "1",
+        "--device=cpu",
+        "--threads=1",
         "--out",
         str(out),
     ]

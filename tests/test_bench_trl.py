@@ -157,7 +157,7 @@ def run_bench(tmp_path, *args):
 
 
 def test_smoke_run_of_our_side(tmp_path):
-    rows = run_bench(tmp_path, "--sides", "ours")
+    rows = run_bench(tmp_path, "--sides=ours")
     assert sorted(rows) == ["grpo", "ppo", "rloo"]
     for algorithm, row in rows.items():
         # ours timed, no TRL side
@@ -175,7 +175,7 @@ def test_smoke_run_of_our_side(tmp_path):
     reason="needs the peer environment with trl==1.16.0 (see bench/bench_trl.py)",
 )
 def test_smoke_run_against_trl(tmp_path):
-    rows = run_bench(tmp_path, "--algorithms", "grpo")
+    rows = run_bench(tmp_path, "--algorithms=grpo")
     # a ratio ours / TRL
     assert rows["grpo"][5].startswith("**")
     assert rows["grpo"][5].endswith("x**")

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, tiny_run
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import ppo
@@ -126,30 +126,9 @@ def test_a_run_on_chat_prompts(tmp_path):
     tokenizer.save_pretrained(str(model))
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "reviews", "train.jsonl"))][:64]
     data = write_rows(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": r["prompt"]}]} for r in rows])
-    metrics, printed = run_script(
-        "ppo.py",
-        tmp_path / "out",
-        "--model_name_or_path",
-        str(model),
-        "--dataset",
-        data,
-        "--total_episodes",
-        "32",
-        "--rollout_batch_size",
-        "16",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "8",
-        "--num_epochs",
-        "1",
-        "--eval_every",
-        "0",
-        "--log_samples_every",
-        "1",
-        "--max_prompt_length",
-        "96",
-    )
+    chat = [f"--model_name_or_path={model}", f"--dataset={data}", "--log_samples_every=1", "--max_prompt_length=96"]
+    options = tiny_run("ppo.py", rollout_batch_size=16, total_episodes=32, eval_every=0)  # two iterations
+    metrics, printed = run_script("ppo.py", tmp_path / "out", *chat, *options)
     assert [r["iteration"] for r in metrics] == [1, 2]
     assert "<|user|>" in printed
     assert "<|assistant|>" in printed

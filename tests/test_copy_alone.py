@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ENV, ROOT
+from helpers import ENV, ROOT, tiny_run
 from safetensors.torch import load_file
 
 import grpo
@@ -26,24 +26,13 @@ def two_iterations(script):
     """Two iterations of the script on the embedded models, every path given (as a copier of the file passes them)."""
     data = "arithmetic" if script == "grpo.py" else "reviews"
     args = [
-        "--model_name_or_path",
-        f"{ROOT}/assets/tiny-sft",
-        "--dataset",
-        f"{ROOT}/assets/{data}/train.jsonl",
-        "--eval_every",
-        "0",
-        "--response_length",
-        "8",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "8",
+        f"--model_name_or_path={ROOT}/assets/tiny-sft",
+        f"--dataset={ROOT}/assets/{data}/train.jsonl",
+        *tiny_run(script, total_episodes=16, response_length=8, eval_every=0),
     ]
     if script != "grpo.py":
         args += ["--reward_model_path", f"{ROOT}/assets/tiny-rm"]
-    if script == "ppo.py":
-        return args + ["--total_episodes", "16", "--rollout_batch_size", "8", "--num_epochs", "1"]
-    return args + ["--total_episodes", "16", "--rollout_batch_size", "2", "--num_generations", "4"]
+    return args
 
 
 def run(script_path, cwd, *args):
@@ -134,23 +123,8 @@ def test_a_copied_script_without_its_example_names_the_options_to_pass(script, t
 
 def test_the_repository_script_run_from_another_folder_finds_its_example(tmp_path):
     """`python /abs/path/ppo.py` from elsewhere reads the embedded example beside the script, not the working folder."""
-    tiny = [
-        "--total_episodes",
-        "16",
-        "--rollout_batch_size",
-        "8",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "8",
-        "--num_epochs",
-        "1",
-        "--response_length",
-        "8",
-        "--eval_every",
-        "0",
-    ]
-    done = run(os.path.join(ROOT, "ppo.py"), tmp_path, *tiny, "--output_dir", "run")
+    tiny = tiny_run("ppo.py", total_episodes=16, response_length=8, eval_every=0)  # two iterations
+    done = run(os.path.join(ROOT, "ppo.py"), tmp_path, *tiny, "--output_dir=run")
     assert done.returncode == 0, done.stderr[-3000:]
     saved = json.load(open(tmp_path / "run" / "args.json"))
     assert saved["model_name_or_path"] == os.path.join(ROOT, "assets", "tiny-sft")
@@ -171,8 +145,7 @@ def test_a_model_that_cannot_be_had_fails_at_once(offline, tmp_path):
         [
             sys.executable,
             os.path.join(ROOT, "ppo.py"),
-            "--model_name_or_path",
-            "nobody/no-model",
+            "--model_name_or_path=nobody/no-model",
             "--output_dir",
             str(tmp_path / "run"),
         ],

@@ -30,47 +30,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 # Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
 # batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
+GROUPS = ["--rollout_batch_size=4", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=4"]
 ARGS = {
-    "ppo.py": [
-        "--total_episodes",
-        "48",
-        "--rollout_batch_size",
-        "16",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "2",
-        "--num_epochs",
-        "2",
-    ],
-    "grpo.py": [
-        "--total_episodes",
-        "96",
-        "--rollout_batch_size",
-        "4",
-        "--num_generations",
-        "8",
-        "--minibatch_size",
-        "16",
-        "--micro_batch_size",
-        "4",
-        "--num_epochs",
-        "2",
-    ],
-    "rloo.py": [
-        "--total_episodes",
-        "96",
-        "--rollout_batch_size",
-        "4",
-        "--num_generations",
-        "8",
-        "--minibatch_size",
-        "16",
-        "--micro_batch_size",
-        "4",
-        "--num_epochs",
-        "2",
-    ],
+    "ppo.py": ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=2", "--total_episodes=48"],
+    "grpo.py": [*GROUPS, "--total_episodes=96"],
+    "rloo.py": [*GROUPS, "--total_episodes=96"],
 }
 
 
@@ -86,19 +50,8 @@ def held_out(tmp_path_factory):
 
 def common(script, held_out):
     task = "arithmetic" if script == "grpo.py" else "reviews"
-    return [
-        *ARGS[script],
-        "--response_length",
-        "8",
-        "--eval_every",
-        "1",
-        "--eval_batch_size",
-        "4",
-        "--eval_dataset",
-        held_out[task],
-        "--save_every",
-        "1",
-    ]
+    evaluation = ["--eval_every=1", "--eval_batch_size=4", f"--eval_dataset={held_out[task]}"]
+    return [*ARGS[script], "--num_epochs=2", "--response_length=8", "--save_every=1", *evaluation]
 
 
 def run_torchrun(script, out, *args):
@@ -185,24 +138,20 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
 @pytest.mark.parametrize(
     "script,flags",
     [
-        ("ppo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
+        ("ppo.py", ["--lora_r=4", "--lora_alpha=8"]),
         ("ppo.py", ["--shared_backbone"]),
-        ("grpo.py", ["--lora_r", "4", "--lora_alpha", "8"]),
-        ("rloo.py", ["--decode", "static", "--lora_r", "4", "--lora_alpha", "8"]),
+        ("grpo.py", ["--lora_r=4", "--lora_alpha=8"]),
+        ("rloo.py", ["--decode=static", "--lora_r=4", "--lora_alpha=8"]),
         (
             "grpo.py",
             [
-                "--policy_loss",
-                "gspo",
-                "--loss_aggregation",
-                "sequence_mean",
-                "--clip_range_low",
-                "3e-4",
-                "--clip_range_high",
-                "4e-4",
+                "--policy_loss=gspo",
+                "--loss_aggregation=sequence_mean",
+                "--clip_range_low=3e-4",
+                "--clip_range_high=4e-4",
             ],
         ),
-        ("rloo.py", ["--policy_loss", "cispo", "--clip_range_low", "1", "--mask_truncated"]),
+        ("rloo.py", ["--policy_loss=cispo", "--clip_range_low=1", "--mask_truncated"]),
     ],
     ids=[
         "ppo-lora",
@@ -232,7 +181,7 @@ def test_a_run_goes_on_from_a_checkpoint_on_another_number_of_processes(runs, he
     one-process run does."""
     one, rows_one, two, _ = runs("rloo.py")
     out = tmp_path / "resumed"
-    rows, _ = run_script("rloo.py", out, *common("rloo.py", held_out), "--resume", str(two / "checkpoint-2"))
+    rows, _ = run_script("rloo.py", out, *common("rloo.py", held_out), f"--resume={two / 'checkpoint-2'}")
     assert_rows_agree(rows, rows_one)
     assert_same_model(out, one)
 

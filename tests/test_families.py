@@ -138,41 +138,20 @@ def test_a_reward_model_without_a_tokenizer_reads_the_policys_tokens(family):
 # Two iterations of four responses each, one optimiser step per iteration. All three scripts on the review prompts,
 # scored by the family's reward model: grpo.py's default rule reward would give a random policy 0 on every arithmetic
 # answer, every group zero-signal, and no step to check.
-TINY = [
-    "--total_episodes",
-    "8",
-    "--minibatch_size",
-    "4",
-    "--micro_batch_size",
-    "4",
-    "--response_length",
-    "8",
-    "--eval_every",
-    "0",
-    "--reward_fn",
-    "--dataset",
-    os.path.join(ROOT, "assets", "reviews", "train.jsonl"),
-]
+TINY = ["--total_episodes=8", "--minibatch_size=4", "--micro_batch_size=4", "--response_length=8", "--eval_every=0"]
+REVIEWS = ["--reward_fn", "--dataset", os.path.join(ROOT, "assets", "reviews", "train.jsonl")]
 BATCH = {
-    "ppo.py": ["--rollout_batch_size", "4", "--num_epochs", "1"],
-    "grpo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
-    "rloo.py": ["--rollout_batch_size", "2", "--num_generations", "2"],
+    "ppo.py": ["--rollout_batch_size=4", "--num_epochs=1"],
+    "grpo.py": ["--rollout_batch_size=2", "--num_generations=2"],
+    "rloo.py": ["--rollout_batch_size=2", "--num_generations=2"],
 }
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
 def test_two_iterations(script, family, tmp_path):
     policy, rm = family
-    rows, _ = run_script(
-        script,
-        tmp_path / "run",
-        *TINY,
-        *BATCH[script],
-        "--model_name_or_path",
-        str(policy),
-        "--reward_model_path",
-        str(rm),
-    )
+    models = [f"--model_name_or_path={policy}", "--reward_model_path", str(rm)]
+    rows, _ = run_script(script, tmp_path / "run", *TINY, *REVIEWS, *BATCH[script], *models)
     assert [r["iteration"] for r in rows] == [1, 2]
     keys = ["objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy"]
     if script == "ppo.py":

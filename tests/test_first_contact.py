@@ -7,36 +7,13 @@ import re
 
 import pytest
 import torch
-from helpers import ROOT, readme_files, run_script, torchrun
+from helpers import ROOT, readme_files, run_script, tiny_run, torchrun
 
 import grpo
 import ppo
 import rloo
 
 MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
-TINY = {  # two or more iterations of a few responses each
-    "ppo.py": ["--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8", "--num_epochs", "1"],
-    "grpo.py": [
-        "--rollout_batch_size",
-        "2",
-        "--num_generations",
-        "4",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "8",
-    ],
-    "rloo.py": [
-        "--rollout_batch_size",
-        "2",
-        "--num_generations",
-        "4",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "8",
-    ],
-}
 
 
 def without_time(rows):
@@ -120,18 +97,9 @@ def test_response_logprobs_are_zero_past_the_end_at_a_low_temperature():
 @pytest.mark.parametrize("script,flags", [("grpo.py", []), ("rloo.py", ["--kl_in_loss"])])
 def test_the_kl_in_the_loss_stays_finite_at_low_temperatures(script, flags, temperature, tmp_path):
     rows, _ = run_script(
-        script,
-        tmp_path,
-        *TINY[script],
-        "--total_episodes",
-        "80",
-        "--temperature",
-        temperature,
-        "--eval_every",
-        "0",
-        *flags,
+        script, tmp_path, *tiny_run(script, total_episodes=80, temperature=temperature, eval_every=0), *flags
     )
-    assert len(rows) == 10
+    assert len(rows) == 10  # 80 episodes of 8 responses an iteration (tiny_run)
     assert rows[-1]["health/skipped_steps"] == 0
     assert all(r["policy/kl_term"] >= 0 and r["policy/kl_term"] < float("inf") for r in rows)
 
@@ -142,7 +110,7 @@ def test_the_kl_in_the_loss_stays_finite_at_low_temperatures(script, flags, temp
 @pytest.mark.parametrize("script", list(MODULES))
 def test_the_defaults_run_under_torchrun_on_two_processes(script, tmp_path):
     per_rollout = {"ppo.py": 64, "grpo.py": 256, "rloo.py": 64}[script]
-    done = torchrun(script, tmp_path, "--total_episodes", str(per_rollout), "--eval_every", "0")
+    done = torchrun(script, tmp_path, f"--total_episodes={per_rollout}", "--eval_every=0")
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["iteration"] for r in rows] == [1]
@@ -162,7 +130,7 @@ def test_the_defaults_pass_the_checks_on_1_to_8_processes(script, processes, tmp
 
 
 def test_a_stopping_message_under_torchrun_is_printed_once_on_its_own_line(tmp_path):
-    done = torchrun("ppo.py", tmp_path / "run", "--temperature", "0")
+    done = torchrun("ppo.py", tmp_path / "run", "--temperature=0")
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if "--temperature must be positive" in line]
     assert lines == ["--temperature must be positive (got 0.0)."]
@@ -181,7 +149,7 @@ def test_a_reward_function_from_a_file_trains_like_the_built_in_one(tmp_path):
     (tmp_path / "my_rule.py").write_text(SAME_AS_ARITHMETIC)
     held_out = tmp_path / "test.jsonl"
     held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:12]))
-    common = [*TINY["grpo.py"], "--total_episodes", "24", "--eval_every", "2", "--eval_dataset", str(held_out)]
+    common = tiny_run("grpo.py", total_episodes=24, eval_every=2, eval_dataset=held_out)  # three iterations
     builtin, printed = run_script("grpo.py", tmp_path / "builtin", *common, "--reward_fn", "arithmetic")
     mine, _ = run_script("grpo.py", tmp_path / "mine", *common, "--reward_fn", f"{tmp_path / 'my_rule.py'}:exact")
     assert without_time(mine) == without_time(builtin)
@@ -218,11 +186,7 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
         "grpo.py",
         tmp_path / "run",
         *argv[: argv.index("--output_dir")],
-        *TINY["grpo.py"],
-        "--total_episodes",
-        "16",
-        "--eval_every",
-        "0",
+        *tiny_run("grpo.py", total_episodes=16, eval_every=0),
     )
     for r in rows:  # the score is the right answers' rate plus 0.1 times the well-formed rate
         assert r["objective/score"] == pytest.approx(r["reward/correct"] + 0.1 * r["reward/bare_number"], abs=1e-6)

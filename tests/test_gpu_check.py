@@ -100,7 +100,7 @@ def test_the_wheels_are_the_locks_versions():
 
 def test_the_fast_rows_run_on_the_cpu(tmp_path):
     out = tmp_path / "report.md"
-    assert gpu_check.main(["--device", "cpu", "--rows", "kernels,generation", "--out", str(out)]) == 0
+    assert gpu_check.main(["--device=cpu", "--rows=kernels,generation", "--out", str(out)]) == 0
     report = out.read_text()
     assert "| kernels | pass |" in report
     assert "| generation | pass |" in report
@@ -112,7 +112,7 @@ def test_the_fast_rows_run_on_the_cpu(tmp_path):
 def test_the_real_tokens_row_runs_on_the_cpu(tmp_path):
     """The layouts at the recipe's lengths scaled down: every layout timed, packing computing the real tokens alone."""
     out = tmp_path / "report.md"
-    assert gpu_check.main(["--device", "cpu", "--rows", "real-tokens", "--out", str(out)]) == 0
+    assert gpu_check.main(["--device=cpu", "--rows=real-tokens", "--out", str(out)]) == 0
     report = out.read_text()
     assert "| real-tokens | pass |" in report
     assert "| GSM8K-like, 2 prompts x 5 (" in report
@@ -124,7 +124,7 @@ def test_the_prefill_row_runs_on_the_cpu(tmp_path):
     """generate at the recipe's lengths scaled down, each group's prompt encoded once against every row's: 10 rows
     in groups of 5 prefill 5 times fewer prompt positions, and sample the same tokens."""
     out = tmp_path / "report.md"
-    assert gpu_check.main(["--device", "cpu", "--rows", "prefill", "--out", str(out)]) == 0
+    assert gpu_check.main(["--device=cpu", "--rows=prefill", "--out", str(out)]) == 0
     report = out.read_text()
     assert "| prefill | pass |" in report
     row = next(line for line in report.splitlines() if line.startswith("| GSM8K-like, 2 prompts x 5 ("))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import GROUPS_OF_EIGHT, run_script
 from transformers import AutoModelForCausalLM
 
 import grpo
@@ -195,21 +195,7 @@ def test_bad_arguments(kw, message, tmp_path):
 
 def run_grpo(tmp_path, *extra):
     out = tmp_path / "run"
-    rows, _ = run_script(
-        "grpo.py",
-        out,
-        "--total_episodes",
-        "64",
-        "--rollout_batch_size",
-        "4",
-        "--num_generations",
-        "8",
-        "--minibatch_size",
-        "16",
-        "--micro_batch_size",
-        "8",
-        *extra,
-    )
+    rows, _ = run_script("grpo.py", out, *GROUPS_OF_EIGHT, "--total_episodes=64", *extra)  # two iterations
     return out, rows
 
 
@@ -250,7 +236,7 @@ def test_smoke_run_on_embedded_default(tmp_path):
 def test_zero_signal_groups_are_left_out_of_the_update(tmp_path):
     # Near-greedy sampling makes every group's answers identical, so every group is zero-signal. An entropy
     # bonus would still move the policy, unless those groups are dropped, in which case no step is taken.
-    common = ("--temperature", "0.01", "--ent_coef", "0.01", "--kl_coef", "0", "--total_episodes", "32")
+    common = ("--temperature=0.01", "--ent_coef=0.01", "--kl_coef=0", "--total_episodes=32")
     out, rows = run_grpo(tmp_path / "kept", *common)
     assert rows[1]["adv/zero_signal_fraction"] == 1.0
     assert moved(out) > 0

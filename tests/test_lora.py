@@ -8,14 +8,14 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, tiny_run
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import ppo
 
 POLICY = os.path.join(ROOT, "assets", "tiny-sft")
-LORA = ["--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj"]
+LORA = ["--lora_r=4", "--lora_alpha=8", "--lora_target_modules", "q_proj", "v_proj"]
 
 
 def test_the_reference_is_the_base_with_the_adapters_off():
@@ -73,25 +73,10 @@ def test_adapter_dropout_acts_in_the_update_only():
 def test_a_run_with_adapter_dropout_trains_with_it(tmp_path):
     """In a run, the first minibatch's ratio equals 1 exactly without --lora_dropout and only on average with it, once
     the adapters are away from their zero start (the second iteration)."""
-    args = [
-        *LORA,
-        "--total_episodes",
-        "32",
-        "--rollout_batch_size",
-        "2",
-        "--num_generations",
-        "8",
-        "--minibatch_size",
-        "16",
-        "--micro_batch_size",
-        "16",
-        "--response_length",
-        "8",
-        "--eval_every",
-        "0",
-    ]
+    sizes = ["--rollout_batch_size=2", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=16"]
+    args = [*LORA, *sizes, "--total_episodes=32", "--response_length=8", "--eval_every=0"]
     without, _ = run_script("grpo.py", tmp_path / "without", *args)
-    with_dropout, _ = run_script("grpo.py", tmp_path / "with", *args, "--lora_dropout", "0.3")
+    with_dropout, _ = run_script("grpo.py", tmp_path / "with", *args, "--lora_dropout=0.3")
     assert without[-1]["policy/first_ratio_dev"] < 1e-5 < with_dropout[-1]["policy/first_ratio_dev"]
 
 
@@ -107,20 +92,7 @@ def ppo_runs(tmp_path_factory):
             out[kind],
             *LORA,
             *extra,
-            "--total_episodes",
-            "32",
-            "--rollout_batch_size",
-            "16",
-            "--minibatch_size",
-            "8",
-            "--micro_batch_size",
-            "8",
-            "--num_epochs",
-            "1",
-            "--response_length",
-            "8",
-            "--eval_every",
-            "0",
+            *tiny_run("ppo.py", rollout_batch_size=16, total_episodes=32, response_length=8, eval_every=0),
         )
     return out
 
@@ -148,25 +120,8 @@ def test_the_merged_save_is_the_base_plus_the_scaled_adapters(ppo_runs):
 
 def test_rloo_with_lora_starts_at_the_reference(tmp_path):
     """The adapters start at zero, so at the first iteration the policy is its reference: the KL is 0 up to rounding."""
-    rows, _ = run_script(
-        "rloo.py",
-        tmp_path,
-        *LORA,
-        "--total_episodes",
-        "16",
-        "--rollout_batch_size",
-        "2",
-        "--num_generations",
-        "4",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "8",
-        "--response_length",
-        "8",
-        "--eval_every",
-        "0",
-    )
+    options = tiny_run("rloo.py", total_episodes=16, response_length=8, eval_every=0)  # two iterations
+    rows, _ = run_script("rloo.py", tmp_path, *LORA, *options)
     assert abs(rows[0]["objective/kl"]) < 1e-5
     assert rows[0]["objective/kl"] != rows[1]["objective/kl"]
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path)).config.architectures == ["LlamaForCausalLM"]

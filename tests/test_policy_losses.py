@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, run_script
+from helpers import GROUPS_OF_EIGHT, ROOT, run_script
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo
@@ -131,30 +131,17 @@ def test_policy_loss_picks_the_loss_and_clip_is_todays_loss(module):
 
 # ---------------------------------------------------------------- the losses in a run, on the embedded task
 
-TINY = [
-    "--total_episodes",
-    "64",
-    "--rollout_batch_size",
-    "4",
-    "--num_generations",
-    "8",
-    "--minibatch_size",
-    "16",
-    "--micro_batch_size",
-    "8",
-    "--eval_every",
-    "0",
-]
+TINY = [*GROUPS_OF_EIGHT, "--total_episodes=64", "--eval_every=0"]  # two iterations
 PAPERS = {
-    "gspo": ["--loss_aggregation", "sequence_mean", "--clip_range_low", "3e-4", "--clip_range_high", "4e-4"],
-    "cispo": ["--clip_range_low", "1"],
+    "gspo": ["--loss_aggregation=sequence_mean", "--clip_range_low=3e-4", "--clip_range_high=4e-4"],
+    "cispo": ["--clip_range_low=1"],
 }
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
 @pytest.mark.parametrize("loss", ["gspo", "cispo"])
 def test_each_loss_trains_with_a_first_ratio_of_one(script, loss, tmp_path):
-    rows, _ = run_script(script, tmp_path, *TINY, "--policy_loss", loss, *PAPERS[loss])
+    rows, _ = run_script(script, tmp_path, *TINY, f"--policy_loss={loss}", *PAPERS[loss])
     assert len(rows) == 2
     for r in rows:
         assert r["policy/first_ratio_dev"] < 1e-5  # logprobs_old recorded while sampling: ratio 1 on the first
@@ -250,7 +237,7 @@ def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
     (tmp_path / "rules.py").write_text(RULES)
     held_out = tmp_path / "test.jsonl"
     held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:12]))
-    common = [*TINY, "--total_episodes", "96", "--eval_every", "2", "--eval_dataset", str(held_out)]
+    common = [*TINY, "--total_episodes=96", "--eval_every=2", f"--eval_dataset={held_out}"]  # three iterations
     rules = tmp_path / "rules.py"
     two, _ = run_script(
         "grpo.py",
@@ -323,22 +310,17 @@ def test_a_rollout_cut_off_everywhere_takes_no_step_and_says_so(script, tmp_path
     loss, so no optimiser step is taken (the policy does not move) and the line says so; without it the same run
     moves the policy (the entropy bonus alone would)."""
     sizes = (
-        ["--rollout_batch_size", "8", "--minibatch_size", "8", "--micro_batch_size", "8"]
+        ["--rollout_batch_size=8", "--minibatch_size=8", "--micro_batch_size=8"]
         if script == "ppo.py"
-        else ["--rollout_batch_size", "2", "--num_generations", "4", "--minibatch_size", "8"]
+        else ["--rollout_batch_size=2", "--num_generations=4", "--minibatch_size=8"]
     )
     common = [
         *sizes,
-        "--total_episodes",
-        "8",
-        "--response_length",
-        "1",
-        "--ent_coef",
-        "0.01",
-        "--eval_every",
-        "0",
-        "--num_epochs",
-        "1",
+        "--total_episodes=8",
+        "--response_length=1",
+        "--ent_coef=0.01",
+        "--eval_every=0",
+        "--num_epochs=1",
     ]
     rows, printed = run_script(script, tmp_path / "masked", *common, "--mask_truncated")
     assert rows[-1]["response/eos_rate"] == 0.0

@@ -530,23 +530,8 @@ def test_bad_datasets(tmp_path):
 
 def run_ppo(tmp_path, *extra):
     out = tmp_path / "run"
-    rows, output = run_script(
-        "ppo.py",
-        out,
-        "--total_episodes",
-        "16",
-        "--rollout_batch_size",
-        "8",
-        "--minibatch_size",
-        "4",
-        "--micro_batch_size",
-        "2",
-        "--num_epochs",
-        "2",
-        "--response_length",
-        "8",
-        *extra,
-    )
+    sizes = ["--rollout_batch_size=8", "--minibatch_size=4", "--micro_batch_size=2", "--num_epochs=2"]
+    rows, output = run_script("ppo.py", out, *sizes, "--total_episodes=16", "--response_length=8", *extra)
     return out, rows, output
 
 
@@ -593,8 +578,7 @@ def test_smoke_run_with_rule_reward(tmp_path):
     # --hub_kernels too: on a CPU transformers has no hub kernel to swap in, so it must run offline all the same
     out, rows, _ = run_ppo(
         tmp_path,
-        "--dataset",
-        "assets/arithmetic/train.jsonl",
+        "--dataset=assets/arithmetic/train.jsonl",
         "--reward_fn",
         "arithmetic",
         "--reward_model_path",
@@ -623,7 +607,7 @@ def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
     tokenizer.pad_token = None
     tokenizer.save_pretrained(policy_dir)
     assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None
-    _, rows, output = run_ppo(tmp_path, "--model_name_or_path", str(policy_dir))
+    _, rows, output = run_ppo(tmp_path, f"--model_name_or_path={policy_dir}")
     assert "no pad token; using EOS as pad" in output
     rows = rows[1:]
     # With pad == EOS the mask, not the token id, ends a response: lengths stay within bounds and the
@@ -686,7 +670,7 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
 def test_a_run_with_the_static_decode_loop_is_the_same_run(tmp_path):
     """ppo.py --decode static (evaluation included, sampled and greedy) samples the responses of the default dynamic
     loop: what the tokens decide is equal, and the rest, through log-probs equal to rounding, agrees to 1e-4."""
-    _, static, _ = run_ppo(tmp_path / "static", "--decode", "static")
+    _, static, _ = run_ppo(tmp_path / "static", "--decode=static")
     _, dynamic, _ = run_ppo(tmp_path / "dynamic")
     assert [r["iteration"] for r in static] == [r["iteration"] for r in dynamic] == [0, 1, 2]
     for a, b in zip(static, dynamic):
@@ -699,43 +683,10 @@ def test_a_run_with_the_static_decode_loop_is_the_same_run(tmp_path):
 
 
 def test_a_run_with_a_shared_backbone(tmp_path):
-    rows, _ = run_script(
-        "ppo.py",
-        tmp_path / "shared",
-        "--shared_backbone",
-        "--total_episodes",
-        "16",
-        "--rollout_batch_size",
-        "8",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "4",
-        "--num_epochs",
-        "2",
-        "--response_length",
-        "8",
-        "--eval_every",
-        "0",
-    )
-    plain, _ = run_script(
-        "ppo.py",
-        tmp_path / "plain",
-        "--total_episodes",
-        "16",
-        "--rollout_batch_size",
-        "8",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "4",
-        "--num_epochs",
-        "2",
-        "--response_length",
-        "8",
-        "--eval_every",
-        "0",
-    )
+    sizes = ["--rollout_batch_size=8", "--minibatch_size=8", "--micro_batch_size=4", "--num_epochs=2"]
+    args = [*sizes, "--total_episodes=16", "--response_length=8", "--eval_every=0"]  # two iterations
+    rows, _ = run_script("ppo.py", tmp_path / "shared", "--shared_backbone", *args)
+    plain, _ = run_script("ppo.py", tmp_path / "plain", *args)
     assert [r["iteration"] for r in rows] == [1, 2]
     # the head starts at V = 0 and is trained
     assert rows[0]["val/mean"] == 0.0

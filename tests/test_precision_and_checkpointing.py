@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, tiny_run
 from transformers import AutoModelForCausalLM
 
 import ppo
@@ -101,52 +101,12 @@ def test_mixed_precision_refuses_bf16_master_weights():
         ppo.validate(replace(ppo.Args(), mixed_precision=True, model_dtype="bfloat16"))
 
 
-ONE_ITERATION = {
-    "ppo.py": [
-        "--total_episodes",
-        "8",
-        "--rollout_batch_size",
-        "8",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "4",
-        "--num_epochs",
-        "1",
-    ],
-    "grpo.py": [
-        "--total_episodes",
-        "8",
-        "--rollout_batch_size",
-        "2",
-        "--num_generations",
-        "4",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "4",
-    ],
-    "rloo.py": [
-        "--total_episodes",
-        "8",
-        "--rollout_batch_size",
-        "2",
-        "--num_generations",
-        "4",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "4",
-    ],
-}
-
-
 @pytest.mark.parametrize("option", ["--gradient_checkpointing", "--mixed_precision"])
-@pytest.mark.parametrize("script", list(ONE_ITERATION))
+@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
 def test_one_iteration_with_the_option(script, option, tmp_path):
-    rows, _ = run_script(
-        script, tmp_path, option, *ONE_ITERATION[script], "--response_length", "8", "--eval_every", "0"
-    )
+    # the tiny run's 8 responses, one iteration, in two micro-batches of 4
+    one_iteration = tiny_run(script, micro_batch_size=4, total_episodes=8, response_length=8, eval_every=0)
+    rows, _ = run_script(script, tmp_path, option, *one_iteration)
     assert [r["iteration"] for r in rows] == [1]
     assert all(torch.isfinite(torch.tensor(v)) for k, v in rows[0].items() if k.startswith(("policy/", "objective/")))
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path))

@@ -26,9 +26,11 @@ from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fix
     cli,
     failing_reward,
     final_state,
+    finished,
     launch,
     read_rows,
     run_as_found,
+    script_command,
     small_held_out_set,
     tiny_args,
     wait_for,
@@ -52,20 +54,7 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_writes_nothing(tmp_path)
     wait_for(lambda: os.path.exists(out / "metrics.jsonl") and os.path.getsize(out / "metrics.jsonl") > 0, first)
     first.send_signal(signal.SIGSTOP)  # still running, frozen while the second tries: the folder cannot change
     before = {name: (out / name).read_bytes() for name in os.listdir(out) if os.path.isfile(out / name)}
-    second = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "grpo.py"),
-            "--output_dir",
-            str(out),
-            *cli("grpo.py", total_episodes=160, learning_rate=1e-3),
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    second = finished(script_command("grpo.py", out, cli("grpo.py", total_episodes=160, learning_rate=1e-3)))
     holder = f"process {first.pid} on {os.uname().nodename}"
     assert second.returncode == 1, second.stderr[-3000:]
     assert "Traceback" not in second.stderr, second.stderr[-3000:]
@@ -93,17 +82,8 @@ def test_a_lock_left_by_a_process_that_ended_is_taken_over_and_said(tmp_path):
 
 # ---------------------------------------------------------------- exact resume from a stop before the first step
 
-ARITHMETIC = [
-    "--dataset",
-    os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"),
-    "--reward_fn",
-    "arithmetic",
-    "--reward_model_path",
-    "--eval_every",
-    "0",
-    "--save_every",
-    "3",
-]
+ARITHMETIC_TRAIN = f"--dataset={os.path.join(ROOT, 'assets', 'arithmetic', 'train.jsonl')}"
+ARITHMETIC = [ARITHMETIC_TRAIN, "--reward_fn", "arithmetic", "--reward_model_path", "--eval_every=0", "--save_every=3"]
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
@@ -128,9 +108,7 @@ def resume_as_printed(printed, checkpoint):
     """The command a stopped run printed, which must resume the given checkpoint, run as printed."""
     command = printed.split("to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {checkpoint}"), command
-    result = subprocess.run(
-        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240
-    )
+    result = finished([sys.executable, *shlex.split(command)[1:]])
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
 
@@ -152,18 +130,8 @@ def test_a_reward_failing_in_an_evaluation_is_evaluated_again_on_resume(script, 
     joined to its iteration's, and its final weights and Adam states are those of the run whose reward never failed."""
     held_out = tmp_path / "test.jsonl"  # 8 prompts: one call of the rule per pass (sampled, greedy)
     held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:8]))
-    args = [
-        *cli(script),
-        *ARITHMETIC,
-        "--eval_every",
-        "100",
-        "--save_every",
-        "100",
-        "--eval_dataset",
-        str(held_out),
-        "--eval_batch_size",
-        "8",
-    ]
+    evaluation = ["--eval_every=100", "--save_every=100", f"--eval_dataset={held_out}", "--eval_batch_size=8"]
+    args = [*cli(script), *ARITHMETIC, *evaluation]
     full, _ = run_script(script, tmp_path / "full", *args)
     assert [r["iteration"] for r in full if "eval/score" in r] == [0, 6]
     out = tmp_path / "run"
@@ -274,12 +242,12 @@ def test_a_hung_reward_stops_at_its_timeout_and_the_resumed_run_is_the_one_never
     """The reward's second call hangs: past --reward_timeout it is a reward failure (checkpoint-1 and the command to
     go on). Resumed with the grader fixed, the run's metrics and final weights are those of the run that never hung,
     bitwise."""
-    args = [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:hangs_once", "--save_every", "3"]
+    args = [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:hangs_once", "--save_every=3"]
     full, _ = run_script("grpo.py", tmp_path / "full", *args)
     (tmp_path / "hang").touch()
     out = tmp_path / "run"
     started = time.time()
-    proc = launch("grpo.py", out, [*args, "--reward_timeout", "2"])
+    proc = launch("grpo.py", out, [*args, "--reward_timeout=2"])
     printed = proc.communicate(timeout=240)[0]
     assert proc.returncode == 1, printed[-3000:]
     assert "Traceback" not in printed, printed[-3000:]
@@ -288,9 +256,7 @@ def test_a_hung_reward_stops_at_its_timeout_and_the_resumed_run_is_the_one_never
     command = printed.split("to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {out / 'checkpoint-1'}")
     (tmp_path / "hang").unlink()
-    result = subprocess.run(
-        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240
-    )
+    result = finished([sys.executable, *shlex.split(command)[1:]])
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == without_timing(full)
     assert_bitwise_equal(final_state(out, 3), final_state(tmp_path / "full", 3))
@@ -305,7 +271,7 @@ def test_sigterm_stops_a_run_whose_reward_hangs_within_the_timeout(reward_file, 
         proc = launch(
             "grpo.py",
             out,
-            [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:{name}", "--reward_timeout", "5"],
+            [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:{name}", "--reward_timeout=5"],
         )
         wait_for(lambda: (tmp_path / "hanging").exists(), proc)
         (tmp_path / "hanging").unlink()
@@ -351,7 +317,7 @@ def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
     elsewhere.mkdir()
     shutil.move(out / "checkpoint-1", elsewhere / "checkpoint-1")
     os.symlink(elsewhere / "checkpoint-1", out / "checkpoint-1")
-    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=32, save_every=1), "--resume", "auto")
+    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=32, save_every=1), "--resume=auto")
     assert len(rows) == 4
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == [
         "checkpoint-3",
@@ -363,7 +329,7 @@ def test_rotation_removes_a_linked_checkpoint_not_its_target(tmp_path):
 def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
     out = tmp_path / "run"
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1))  # two iterations
-    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=8, save_every=1), "--resume", "auto")
+    rows, printed = run_script("grpo.py", out, *cli("grpo.py", total_episodes=8, save_every=1), "--resume=auto")
     assert (
         "--total_episodes 8 ends at iteration 1; the checkpoint is at 2, so no step is taken: its policy is "
         "saved as it is (raise it to go on)"
@@ -379,7 +345,7 @@ def test_a_resume_may_raise_the_reward_timeout_and_change_the_micro_batch(tmp_pa
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1, micro_batch_size=4, reward_timeout=30))
     assert grpo.read_json(out / "checkpoint-2" / "args.json")["micro_batch_size"] == 4
     rows, printed = run_script(
-        "grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60), "--resume", "auto"
+        "grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60), "--resume=auto"
     )
     assert [r["iteration"] for r in rows] == [1, 2, 3]
     assert "other values of" not in printed
@@ -550,7 +516,7 @@ def test_a_resume_onto_a_policy_of_another_size_is_refused_in_one_sentence(tmp_p
     policy = tmp_path / "policy"
     out = tmp_path / "run"
     shutil.copytree(os.path.join(ROOT, "assets", "tiny-sft"), policy)
-    run_script("grpo.py", out, *cli("grpo.py", total_episodes=8), "--model_name_or_path", str(policy))
+    run_script("grpo.py", out, *cli("grpo.py", total_episodes=8), f"--model_name_or_path={policy}")
     config = AutoConfig.from_pretrained(policy)
     config.hidden_size = 2 * config.hidden_size
     config.intermediate_size = 2 * config.intermediate_size
@@ -611,8 +577,8 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
 
 
 def hangs_on_rank_1(tmp_path):
-    """A reward file whose rule (the arithmetic one) hangs on rank 1 at its second call, after leaving a file named
-    "hanging" in tmp_path."""
+    """The options of grpo.py's tiny run on the arithmetic prompts, scored by a reward file whose rule (the arithmetic
+    one) hangs on rank 1 at its second call, after leaving a file named "hanging" in tmp_path."""
     rule = tmp_path / "rule.py"
     rule.write_text(
         "import os\n"
@@ -625,30 +591,24 @@ def hangs_on_rank_1(tmp_path):
         "        time.sleep(600)\n"
         "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n"
     )
-    return rule
+    return [
+        *cli("grpo.py"),
+        ARITHMETIC_TRAIN,
+        "--reward_fn",
+        f"{rule}:score",
+        "--reward_model_path",
+        "--eval_every=0",
+    ]
 
 
 def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
     """Under torchrun the grader hangs on rank 1 only, at its second call: rank 1's alarm makes it a reward failure,
     and the stop reaches rank 0 too. Both save checkpoint-1 (the state before the hung rollout), and rank 0 names the
     timeout and prints the torchrun command that goes on."""
-    rule = hangs_on_rank_1(tmp_path)
+    hangs = hangs_on_rank_1(tmp_path)
     out = tmp_path / "run"
     start = time.time()
-    result = torchrun(
-        "grpo.py",
-        out,
-        *cli("grpo.py"),
-        "--dataset",
-        ARITHMETIC[1],
-        "--reward_fn",
-        f"{rule}:score",
-        "--reward_model_path",
-        "--eval_every",
-        "0",
-        "--reward_timeout",
-        "3",
-    )
+    result = torchrun("grpo.py", out, *hangs, "--reward_timeout=3")
     assert result.returncode != 0
     assert time.time() - start < 300
     assert "is an error (TimeoutError: no answer within --reward_timeout 3 s)" in result.stderr, result.stderr[-3000:]
@@ -680,31 +640,9 @@ def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp
     """SIGTERM to torchrun while rank 1's grader hangs: torchrun passes it to both processes, rank 1 leaves the hung
     call when its alarm rings (within --reward_timeout), and the stop reaches rank 0: both save checkpoint-1, well
     before torchrun's own 30 s grace would kill them."""
-    rule = hangs_on_rank_1(tmp_path)
+    hangs = hangs_on_rank_1(tmp_path)
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            *TORCHRUN,
-            os.path.join(ROOT, "grpo.py"),
-            "--output_dir",
-            str(out),
-            *cli("grpo.py"),
-            "--dataset",
-            ARITHMETIC[1],
-            "--reward_fn",
-            f"{rule}:score",
-            "--reward_model_path",
-            "--eval_every",
-            "0",
-            "--reward_timeout",
-            "5",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = launch("grpo.py", out, [*hangs, "--reward_timeout=5"], runner=TORCHRUN)
     wait_for(lambda: os.path.exists(tmp_path / "hanging"), proc)
     start = time.time()
     proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, tiny_run
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
@@ -137,25 +137,7 @@ def test_ppos_critic_cannot_start_from_a_reward_model_on_another_tokenizer(other
 
 
 def test_rloo_runs_with_a_reward_model_on_another_tokenizer(other_rm, tmp_path):
-    rows, _ = run_script(
-        "rloo.py",
-        tmp_path,
-        "--reward_model_path",
-        other_rm,
-        "--total_episodes",
-        "16",
-        "--rollout_batch_size",
-        "2",
-        "--num_generations",
-        "4",
-        "--minibatch_size",
-        "8",
-        "--micro_batch_size",
-        "8",
-        "--response_length",
-        "8",
-        "--eval_every",
-        "0",
-    )
-    assert [r["iteration"] for r in rows] == [1, 2]
+    options = tiny_run("rloo.py", total_episodes=16, response_length=8, eval_every=0)
+    rows, _ = run_script("rloo.py", tmp_path, "--reward_model_path", other_rm, *options)
+    assert [r["iteration"] for r in rows] == [1, 2]  # 16 episodes of 8 responses an iteration (tiny_run)
     assert all(torch.isfinite(torch.tensor([r["objective/score"], r["objective/kl"]])).all() for r in rows)

@@ -64,23 +64,8 @@ def test_bad_arguments(tmp_path):
 
 
 def run_rloo(tmp_path, *extra):
-    return run_script(
-        "rloo.py",
-        tmp_path / "run",
-        "--total_episodes",
-        "32",
-        "--rollout_batch_size",
-        "4",
-        "--num_generations",
-        "4",
-        "--minibatch_size",
-        "16",
-        "--micro_batch_size",
-        "8",
-        "--response_length",
-        "8",
-        *extra,
-    )[0]
+    sizes = ["--rollout_batch_size=4", "--num_generations=4", "--minibatch_size=16", "--micro_batch_size=8"]
+    return run_script("rloo.py", tmp_path / "run", *sizes, "--total_episodes=32", "--response_length=8", *extra)[0]
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
@@ -106,6 +91,6 @@ def test_smoke_run_on_embedded_default(tmp_path):
 
 
 def test_several_updates_per_rollout_and_kl_in_loss(tmp_path):
-    rows = run_rloo(tmp_path, "--num_epochs", "2", "--minibatch_size", "8", "--kl_in_loss")
+    rows = run_rloo(tmp_path, "--num_epochs=2", "--minibatch_size=8", "--kl_in_loss")
     assert all(math.isfinite(r["policy/kl_term"]) for r in rows[1:])  # the k3 term is in the loss
     assert rows[1]["policy/ratio_max"] > 1.0  # later minibatches see a moved policy: the clipped loss is in use

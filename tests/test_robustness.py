@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 import tyro
-from helpers import ROOT, run_script
+from helpers import ROOT, TINY_SIZES, TORCHRUN, options, run_script
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoTokenizer
@@ -32,8 +32,9 @@ import ppo
 import rloo
 
 MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
-# Six iterations each, in seconds on two cores. PPO also evaluates, on a small held-out set (its own generator
-# must not disturb the run's).
+# Six iterations each, in seconds on two cores: grpo.py and rloo.py at the tiny run's sizes (helpers.TINY_SIZES),
+# ppo.py in two epochs of two minibatches, evaluating on a small held-out set (its own generator must not disturb the
+# run's).
 TINY = {
     "ppo.py": dict(
         total_episodes=48,
@@ -44,30 +45,24 @@ TINY = {
         response_length=8,
         eval_every=3,
     ),
-    "grpo.py": dict(
-        total_episodes=48,
-        rollout_batch_size=2,
-        num_generations=4,
-        minibatch_size=8,
-        micro_batch_size=8,
-        response_length=8,
-        eval_every=0,
-    ),
-    "rloo.py": dict(
-        total_episodes=48,
-        rollout_batch_size=2,
-        num_generations=4,
-        minibatch_size=8,
-        micro_batch_size=8,
-        response_length=8,
-        eval_every=0,
-    ),
+    "grpo.py": dict(TINY_SIZES["grpo.py"], total_episodes=48, response_length=8, eval_every=0),
+    "rloo.py": dict(TINY_SIZES["rloo.py"], total_episodes=48, response_length=8, eval_every=0),
 }
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+# the files of a checkpoint saved by two processes, each writing its own shard
+TWO_PROCESS_CHECKPOINT = [
+    ".metadata",
+    "__0_0.distcp",
+    "__1_0.distcp",
+    "args.json",
+    "manifest.json",
+    "metrics.jsonl",
+    "state.json",
+]
 
 
 def cli(script, **extra):
-    return [x for k, v in {**TINY[script], **extra}.items() for x in (f"--{k}", str(v))]
+    return options(**{**TINY[script], **extra})
 
 
 def without_timing(rows):
@@ -106,17 +101,22 @@ def assert_bitwise_equal(a, b):
         assert a == b
 
 
-def launch(script, out, args, prelude=None):
-    """The script in a subprocess, optionally under a prelude file that patches something first."""
-    head = [sys.executable, prelude] if prelude else [sys.executable]
-    return subprocess.Popen(
-        [*head, os.path.join(ROOT, script), "--output_dir", str(out), *args],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def script_command(script, out, args, head=(sys.executable,)):
+    """head (python, or torchrun, then any prelude file), the script, --output_dir out and args."""
+    return [*head, os.path.join(ROOT, script), "--output_dir", str(out), *args]
+
+
+def launch(script, out, args, prelude=None, runner=(sys.executable,)):
+    """The script in a subprocess under runner (python, or torchrun), optionally under a prelude file that patches
+    something first."""
+    head = [*runner, prelude] if prelude else runner
+    cmd = script_command(script, out, args, head)
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(cmd, env=ENV, timeout=240, **kw):
+    """cmd run to its end from the repository root, its output captured as text."""
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def wait_for(condition, proc, timeout=240):
@@ -174,7 +174,7 @@ def test_a_stopped_and_resumed_run_is_the_same_run(script, stop, tmp_path, unint
     argv = shlex.split(command)
     assert argv[0] == "python"
     assert "--resume" in argv
-    result = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    result = finished([sys.executable, *argv[1:]])
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == full_rows
     assert_bitwise_equal(final_state(out), full_state)
@@ -183,26 +183,11 @@ def test_a_stopped_and_resumed_run_is_the_same_run(script, stop, tmp_path, unint
 def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     """Two processes (gloo, FSDP2): each writes its own shards of the models and optimiser states; torchrun passes
     SIGTERM on to both, and the command they print resumes the run."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    args = [os.path.join(ROOT, "rloo.py"), *cli("rloo.py", save_every=3, micro_batch_size=4)]  # 4 responses per process
-    full = subprocess.run(
-        [*torchrun, *args, "--output_dir", str(tmp_path / "full")],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = cli("rloo.py", save_every=3, micro_batch_size=4)  # 4 responses per process
+    full = finished(script_command("rloo.py", tmp_path / "full", args, TORCHRUN), timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*torchrun, *args, "--output_dir", str(out)],
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = launch("rloo.py", out, args, runner=TORCHRUN)
     wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     printed = proc.communicate(timeout=240)[0]
@@ -211,16 +196,8 @@ def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
     argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
     assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
     checkpoint = argv[argv.index("--resume") + 1]
-    assert sorted(os.listdir(checkpoint)) == [
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
-        "args.json",
-        "manifest.json",
-        "metrics.jsonl",
-        "state.json",
-    ]
-    result = subprocess.run([*torchrun, *argv[2:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert sorted(os.listdir(checkpoint)) == TWO_PROCESS_CHECKPOINT
+    result = finished([*TORCHRUN, *argv[2:]], timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == without_timing(read_rows(tmp_path / "full"))
     assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
@@ -265,7 +242,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     ]
     assert (out / "checkpoint-2.tmp").exists()
     assert not (out / "checkpoint-2").exists()
-    rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
+    rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume=auto")
     assert f"resuming from {out / 'checkpoint-1'}" in printed
     assert not (out / "checkpoint-2.tmp").exists()  # the first save that succeeds clears what the kill left
     assert without_timing(rows) == full_rows
@@ -477,21 +454,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert "socket.__new__" in log.read_text()  # the watch sees a socket when there is one
     # not even told to stay offline
     env = {k: v for k, v in ENV.items() if not k.startswith(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(prelude),
-            os.path.join(ROOT, "ppo.py"),
-            "--output_dir",
-            str(tmp_path / "run"),
-            *cli("ppo.py", total_episodes=16, eval_every=1),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    args = cli("ppo.py", total_episodes=16, eval_every=1)
+    result = finished(script_command("ppo.py", tmp_path / "run", args, (sys.executable, str(prelude))), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert log.read_text() == ""
 
@@ -500,23 +464,8 @@ def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
     env = {**ENV, "WANDB_BASE_URL": "http://127.0.0.1:9"}  # nothing listens on port 9 (discard)
     env.pop("WANDB_MODE")
     start = time.time()
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "rloo.py"),
-            "--output_dir",
-            str(tmp_path),
-            "--track",
-            *cli("rloo.py", total_episodes=8),
-            "--log_samples_every",
-            "1",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    args = ["--track", *cli("rloo.py", total_episodes=8), "--log_samples_every=1"]
+    result = finished(script_command("rloo.py", tmp_path, args), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb: 127.0.0.1 cannot be reached; logging offline" in result.stdout
     assert time.time() - start < 120
@@ -735,7 +684,7 @@ def test_a_run_resumed_past_a_damaged_checkpoint_is_the_same_run(tmp_path, unint
     out = run_as_found(tmp_path, uninterrupted)
     flip_4k(out / "checkpoint-6" / "__0_0.distcp")
     own_log = (out / "metrics.jsonl").read_text().splitlines(keepends=True)  # the held-out row 0, iterations 1-6
-    rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume", "auto")
+    rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume=auto")
     assert f"skipping {out / 'checkpoint-6'}: __0_0.distcp does not match the checksum it was saved with" in printed
     assert f"resuming from {out / 'checkpoint-3'}" in printed
     assert without_timing(rows) == full_rows
@@ -884,9 +833,7 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_to_go_on_from(tmp_path,
     assert "is an error (ConnectionError: the grading service went away); fix the reward" in printed
     command = printed.split("stopped after iteration 2; to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {out / 'checkpoint-2'}")
-    result = subprocess.run(
-        [sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240
-    )
+    result = finished([sys.executable, *shlex.split(command)[1:]])
     assert result.returncode == 0, result.stderr[-3000:]
     assert without_timing(read_rows(out)) == full_rows
     assert_bitwise_equal(final_state(out), full_state)
@@ -896,36 +843,16 @@ def test_a_reward_that_fails_on_one_process_stops_them_all_together(tmp_path):
     """Under torchrun the second process's reward fails at iteration 2: both save iteration 1's state, and the
     failure is said once, by rank 0, with the command that goes on."""
     out = tmp_path / "run"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    result = subprocess.run(
-        [
-            *torchrun,
-            failing_reward(tmp_path, 2, rank=1),
-            os.path.join(ROOT, "grpo.py"),
-            "--output_dir",
-            str(out),
-            *cli("grpo.py", save_every=3, micro_batch_size=4),
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    head = [*TORCHRUN, failing_reward(tmp_path, 2, rank=1)]
+    result = finished(
+        script_command("grpo.py", out, cli("grpo.py", save_every=3, micro_batch_size=4), head), timeout=300
     )
     printed = result.stdout + result.stderr
     assert result.returncode != 0, printed[-3000:]
     assert printed.count("the grading service went away") == 1, printed[-3000:]
     assert printed.count("stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 ") == 1
     assert grpo.checkpoint_damage(str(out / "checkpoint-1")) is None
-    assert sorted(os.listdir(out / "checkpoint-1")) == [
-        ".metadata",
-        "__0_0.distcp",
-        "__1_0.distcp",
-        "args.json",
-        "manifest.json",
-        "metrics.jsonl",
-        "state.json",
-    ]
+    assert sorted(os.listdir(out / "checkpoint-1")) == TWO_PROCESS_CHECKPOINT
     assert json.load(open(out / "checkpoint-1" / "state.json"))["iteration"] == 1
 
 
@@ -942,23 +869,8 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
     out = tmp_path / "run"
     os.makedirs(out)
     shutil.copytree(uninterrupted("rloo.py")[0] / "checkpoint-3", out / "checkpoint-3")
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "rloo.py"),
-            "--output_dir",
-            str(out),
-            *cli("rloo.py", save_every=1),
-            "--resume",
-            "auto",
-        ],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        preexec_fn=files_of_a_megabyte,
-    )
+    args = [*cli("rloo.py", save_every=1), "--resume=auto"]
+    result = finished(script_command("rloo.py", out, args), preexec_fn=files_of_a_megabyte)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(
