@@ -643,6 +643,8 @@ def main(args):
     if state.get("eval_due"):
         log.evaluation(evaluate(policy, scorer, sampling, held_out, args, stops, state), state)
         save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device)
+        if args.resume and state["iteration"] > 0:  # saved with its checkpoint: a later resume need not redo it
+            save_checkpoint(args, models, optimizers, state, rank)  # (at 0 no: a save makes up Adam states)
     # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
@@ -972,10 +974,12 @@ def load_reward_models(args, tokenizer, device):
             own.pad_token = own.eos_token or own.unk_token
         reads = own or tokenizer
         n = AutoConfig.from_pretrained(path).vocab_size  # checked before the weights load
-        if reads.pad_token_id is None or len(reads) > n:  # a token to pad with, and ids the model can embed
+        largest = max(reads.get_vocab().values())  # not len(): a vocabulary's ids need not start at 0 or be dense
+        if reads.pad_token_id is None or largest >= n:  # a token to pad with, and ids the model can embed
             raise SystemExit(
-                f"the tokenizer beside --reward_model_path '{path}' has no pad, EOS or unk token, or more "
-                f"ids than the model's {n} embeddings; save the one it was trained with beside it."
+                f"the tokenizer beside --reward_model_path '{path}' has no pad, EOS or unk token, or ids "
+                f"past the model's {n} embeddings (its largest is {largest}); save the one it was trained with "
+                "beside it."
             )
         model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
         model.config.pad_token_id = reads.pad_token_id
@@ -1192,26 +1196,46 @@ class StaticDecoder:
 
 # ---- data
 def read_rows(path, split, args):
-    """The rows (dicts): a local .json/.jsonl file (a bad line named), .csv or .parquet (compressed too), or a hub's."""
-    local = re.search(r"\.(jsonl?|csv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
+    """The rows (dicts) of a local .json/.jsonl, .csv/.tsv (every cell text) or .parquet file, compressed or not, read
+    as written (no cache, no pattern: the path is the file), or of a hub dataset."""
+    local = re.search(r"\.(jsonl?|csv|tsv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
     if local and not os.path.isfile(path):
         what = "is a folder" if os.path.isdir(path) else "does not exist"
         raise SystemExit(
             f"dataset file '{path}' {what}; pass a "
-            f'file of {{"{args.prompt_field}": ...}} rows (.jsonl, .csv, .parquet) or a hub dataset.'
+            f'file of {{"{args.prompt_field}": ...}} rows (.jsonl, .csv, .tsv, .parquet) or a hub dataset.'
         )
     if not local:
         return read_hub_rows(path, split, args)
-    if local[2] or local[1].lower() in ("csv", "parquet"):  # compressed, or not JSON: datasets reads it
-        from datasets import load_dataset
+    import bz2  # the readers of compressed and tabular files, needed here alone
+    import csv
+    import gzip
+    import io
+    import lzma
 
-        try:  # a local file by its kind, as datasets names them (json, csv, parquet)
-            return list(load_dataset(local[1].lower().rstrip("l"), data_files=path, split="train"))
-        except Exception as e:  # datasets wraps a file's errors in its own
+    kind = local[1].lower()
+    compression = (local[2] or "").lower()
+    if compression == ".zst":
+        raise SystemExit(
+            f"dataset file '{path}' is compressed with zstd, which Python does not read without a package; "
+            "decompress it (zstd -d), or compress it with gzip, bzip2 or xz."
+        )
+    raw = pathlib.Path(path).read_bytes()
+    decompress = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+    if compression:
+        try:
+            raw = decompress[compression](raw)
+        except (OSError, EOFError, lzma.LZMAError) as e:  # a file cut short, or of another kind
+            raise SystemExit(f"dataset file '{path}' is not a whole {compression} file ({e}); check it.") from None
+    if kind == "parquet":
+        import pyarrow.parquet  # datasets' own reader of parquet
+
+        try:
+            return pyarrow.parquet.read_table(io.BytesIO(raw)).to_pylist()
+        except Exception as e:  # pyarrow's errors are its own
             raise SystemExit(
                 f"dataset file '{path}' could not be loaded ({type(e).__name__}: {e}); check its contents."
             ) from None
-    raw = pathlib.Path(path).read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -1219,7 +1243,24 @@ def read_rows(path, split, args):
         raise SystemExit(
             f"line {line} of '{path}' is not UTF-8 text (byte {raw[e.start]:#04x}); save it as UTF-8."
         ) from None
-    whole = path.lower().endswith(".json") and text.lstrip().startswith("[")  # one JSON list, else an object a line
+    if kind in ("csv", "tsv"):  # every cell as text, as a .jsonl's strings: "119" stays "119", "N/A" stays "N/A"
+        delimiter = "," if kind == "csv" else "\t"
+        reader = csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""), delimiter=delimiter)
+        rows = []
+        try:
+            header = next(reader, [])
+            for cells in reader:
+                if cells and len(cells) != len(header):
+                    raise SystemExit(
+                        f"line {reader.line_num} of '{path}' has {len(cells)} cells and its header "
+                        f"{len(header)}; fix that line (a cell holding {delimiter!r} goes in double quotes)."
+                    )
+                if cells:
+                    rows.append(dict(zip(header, cells)))
+        except csv.Error as e:
+            raise SystemExit(f"line {reader.line_num} of '{path}' cannot be read ({e}); fix that line.") from None
+        return rows
+    whole = kind == "json" and text.lstrip().startswith("[")  # one JSON list, else an object a line
     lines = text.splitlines()
     if whole:
         lines = [text]
@@ -1265,10 +1306,16 @@ def load_prompts(path, split, args, tokenizer):
                 f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
                 f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts."
             )
-        if REWARD_FNS.keys() & set(args.reward_fn) and row.get(args.answer_field) is None:  # yours may need none
+        answer = row.get(args.answer_field)
+        if REWARD_FNS.keys() & set(args.reward_fn) and answer is None:  # yours may need none
             raise SystemExit(
                 f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
                 f"'{path}' has no (or a null) '{args.answer_field}' (it has {has}); pass --answer_field."
+            )
+        if REWARD_FNS.keys() & set(args.reward_fn) and not isinstance(answer, (str, int, float)):  # not its repr
+            raise SystemExit(
+                f"row {n} of '{path}' has a {type(answer).__name__} as its '{args.answer_field}' ({answer!r:.80}); "
+                "the built-in rules compare text or a number: store the answer as one."
             )
         prompt = row[args.prompt_field]
         is_chat = (
@@ -1596,14 +1643,15 @@ def require(args, names, rule, ok):
 
 
 def check_common_args(args, responses_per_iteration):
-    """The checks every script shares. Nothing is created here: a run that cannot start leaves nothing behind."""
+    """The checks every script shares. Nothing is created here but the lock of an --output_dir that exists (taken
+    before anything there is read): a run that cannot start leaves nothing behind."""
     embedded = [f"--{f.name}" for f in fields(args) if ASSETS in str(f.default) and getattr(args, f.name) == f.default]
     if embedded and not os.path.isdir(ASSETS):  # this file copied alone
         raise SystemExit(
             f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
             "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset)."
         )
-    require(args, [f.name for f in fields(args) if f.type is float], "must be finite", lambda v: abs(v) < 1e308)
+    require(args, [f.name for f in fields(args) if f.type is float], "must be finite", math.isfinite)
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every", "reward_timeout"), "must be 0 (never) or more", lambda v: v >= 0)
     require(
@@ -1663,9 +1711,18 @@ def check_common_args(args, responses_per_iteration):
     )
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
+    if any(spec.lower() == "none" for spec in args.reward_fn):  # what meant no rule before several could be named
+        raise SystemExit("--reward_fn None is no rule's name: pass --reward_fn with nothing after it for no rule.")
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
     require(args, ("reward_fn",), "must name each function once", lambda v: len(set(names)) == len(names))
     require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
+    most = torch.finfo(torch.float32).max  # the weights multiply float32 scores
+    require(
+        args,
+        ("reward_weights",),
+        f"must each be finite and within +-{most:.3g}",
+        lambda v: all(abs(w) <= most for w in v),
+    )
     for spec in args.reward_fn:  # each one loads (or says why) before any model does
         load_reward_fn(spec)
     # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
@@ -1697,6 +1754,9 @@ def check_common_args(args, responses_per_iteration):
         )
     for path in args.reward_model_path:
         check_model_path(path, "sequence classifier", "--reward_model_path")
+    if os.path.isdir(args.output_dir) and int(os.environ.get("RANK", 0)) == 0:  # before anything there is read
+        lock_output_dir(args.output_dir)
+    all_processes(None)  # under torchrun the others wait: none reads the folder before rank 0 holds it (or has exited)
     find_checkpoint(args)
     existing = os.path.abspath(args.output_dir)
     while not os.path.exists(existing):  # its nearest existing folder, where it will be made
@@ -1853,6 +1913,9 @@ def checkpoint_damage(path):
     changed = [name for name in sorted(files) if found[name]["sha256"] != files[name]]
     if changed:
         return f"{changed[0]} does not match the checksum it was saved with"
+    state = read_json(os.path.join(path, "state.json"))  # an edit whose checksums were made again
+    if not isinstance(state, dict) or state.get("iteration") != manifest.get("iteration"):
+        return f"its state.json is not of iteration {manifest.get('iteration')}, as its manifest.json is"
     return None
 
 
@@ -2236,12 +2299,19 @@ class Stopwatch:
         self.last = now
 
 
+@functools.cache  # held from the first call (the checks, where the folder exists) until the process ends
 def lock_output_dir(folder):
     """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
     path = os.path.join(folder, "run.lock")
     me = f"process {os.getpid()} on {os.uname().nodename}"
-    f = open(path, "a+")
-    before = os.pread(f.fileno(), 1000, 0).decode()  # the process holding it, or that held it last
+    try:
+        f = open(path, "a+")
+    except OSError as e:  # a folder of that name, a file or folder without write permission
+        raise SystemExit(
+            f"--output_dir '{folder}' cannot be locked: its run.lock cannot be opened for writing ({e.strerror}); "
+            "remove it or make it writable, or pass another --output_dir."
+        ) from None
+    before = os.pread(f.fileno(), 1000, 0).decode(errors="replace")  # the process holding it, or that held it last
     try:
         os.lockf(f.fileno(), os.F_TLOCK, 0)
     except (BlockingIOError, PermissionError):
@@ -2260,10 +2330,10 @@ def lock_output_dir(folder):
 
 def resumed_log(checkpoint, metrics):
     """A resumed run's log: the checkpoint's rows; the run's own later lines kept in a side file (the first free)."""
-    rows = pathlib.Path(checkpoint, "metrics.jsonl").read_text().splitlines(keepends=True)  # whole: one writer
-    own = []  # the lines this folder's log holds
+    rows = pathlib.Path(checkpoint, "metrics.jsonl").read_bytes().splitlines(keepends=True)  # whole: one writer
+    own = []  # the lines this folder's log holds, as bytes: a damaged line (not UTF-8) is set aside as any other
     if os.path.isfile(metrics):
-        own = pathlib.Path(metrics).read_text().splitlines(keepends=True)
+        own = pathlib.Path(metrics).read_bytes().splitlines(keepends=True)
     same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
     if own[same:]:
         stem = f"{os.path.splitext(metrics)[0]}.after-{os.path.basename(checkpoint)}"
@@ -2272,9 +2342,9 @@ def resumed_log(checkpoint, metrics):
             if not os.path.exists(side):
                 break
             side = f"{stem}-{k}.jsonl"
-        pathlib.Path(side).write_text("".join(own[same:]))
+        pathlib.Path(side).write_bytes(b"".join(own[same:]))
         print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
-    pathlib.Path(metrics).write_text("".join(rows))
+    pathlib.Path(metrics).write_bytes(b"".join(rows))
 
 
 class Log:
@@ -2437,3 +2507,7 @@ if __name__ == "__main__":
         if int(os.environ.get("RANK", 0)) == 0:
             print(e.code, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C before the run catches it (while the models load): one line, not a traceback
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("stopped by Ctrl-C while starting: nothing was saved", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None

@@ -713,9 +713,10 @@ def test_a_resumed_log_keeps_the_runs_own_later_rows_in_the_first_free_side_file
 
 def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, uninterrupted):
     """Run B, on other data, in the folder of run A: refused before anything is written, however it is started;
-    run A's checkpoints, log and policy stay as they were."""
+    run A's checkpoints, log and policy stay as they were (run.lock aside: B held the folder while it read it, and the
+    lock's note names B)."""
     out = run_as_found(tmp_path, uninterrupted)
-    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
     other_data = dict(dataset=os.path.join("assets", "arithmetic", "train.jsonl"))
     with pytest.raises(
         SystemExit,
@@ -735,7 +736,8 @@ def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, 
         ppo.main(tiny_args("ppo.py", out, resume=str(elsewhere)))
     with pytest.raises(SystemExit, match=r"holds the checkpoints of a run with these arguments"):
         ppo.main(tiny_args("ppo.py", out))  # the same run started again without --resume
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"} == before
+    assert (out / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
 
 
 def test_a_checkpoint_of_another_script_is_refused(tmp_path, uninterrupted):

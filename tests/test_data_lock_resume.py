@@ -1,0 +1,313 @@
+"""Data read as written, the run lock taken before the output folder is read, options checked in one sentence, and
+resumes that neither redo work nor stop on a damaged log (shared code, through grpo.py's and ppo.py's copies). Each
+case is compared with what was written: the rows a .jsonl of the same values gives, the bytes of a log, the sentence a
+user reads."""
+
+import bz2
+import gzip
+import json
+import lzma
+import os
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+import tyro
+from helpers import ROOT
+from test_real_use import ARITHMETIC, resume_as_printed
+from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fixture, which sets the tiny runs' data)
+    cli,
+    failing_reward,
+    finished,
+    launch,
+    script_command,
+    small_held_out_set,
+)
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+import grpo
+import ppo
+
+POLICY = os.path.join(ROOT, "assets", "tiny-sft")
+
+# ---------------------------------------------------------------- data read as written
+
+# Answers as a spreadsheet holds them: integers beside a decimal, and the words pandas would read as missing.
+CELLS = ["119", "3.5", "N/A", "NA", "null", "None", "nan", "#N/A", "", "007", "1,234"]
+
+
+def table(delimiter):
+    """A header and a row per answer in CELLS (a prompt with the delimiter in it, quoted), as text."""
+    lines = [f"prompt{delimiter}answer"]
+    for i, cell in enumerate(CELLS):
+        lines.append(f'"{i}{delimiter} what is it?"{delimiter}"{cell}"')
+    return "\n".join(lines) + "\n"
+
+
+def test_csv_and_tsv_cells_are_read_as_text_as_the_jsonl_reader_sees_them(tmp_path):
+    """Every cell as text, compressed or not: "119" stays "119" beside a "3.5" (not "119.0"), and "N/A", "nan", ""
+    stay strings (not None). Before, datasets' csv reader turned them into floats and nulls, and .tsv was not read."""
+    args = grpo.Args(eval_every=0)
+    expected = [{"prompt": f"{i}{d} what is it?", "answer": cell} for d in ",\t" for i, cell in enumerate(CELLS)]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in expected))
+    assert grpo.read_rows(str(jsonl), "train", args) == expected  # the .jsonl reader: the reference
+    compressions = {"": bytes, ".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
+    for kind, delimiter, half in (("csv", ",", expected[: len(CELLS)]), ("tsv", "\t", expected[len(CELLS) :])):
+        for suffix, compress in compressions.items():
+            path = tmp_path / f"rows.{kind}{suffix}"
+            path.write_bytes(compress(table(delimiter).encode()))
+            assert grpo.read_rows(str(path), "train", args) == half, path.name
+
+
+def test_a_csv_row_of_other_width_is_named(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text("prompt,answer\n1+1=,2\n2+2=,4,extra\n")
+    with pytest.raises(SystemExit, match=r"line 3 of '.*rows.csv' has 3 cells and its header 2; fix that line"):
+        grpo.read_rows(str(path), "train", grpo.Args())
+
+
+def test_a_data_path_is_a_path_never_a_pattern(tmp_path):
+    """'train[1].csv' is that file, not train1.csv beside it (a glob's [1]); 'data[v2].csv' alone is read too."""
+    (tmp_path / "train[1].csv").write_text("prompt,answer\nbrackets,1\n")
+    (tmp_path / "train1.csv").write_text("prompt,answer\nno brackets,2\n")
+    (tmp_path / "data[v2].csv").write_text("prompt,answer\nalone,3\n")
+    args = grpo.Args()
+    assert grpo.read_rows(str(tmp_path / "train[1].csv"), "train", args) == [{"prompt": "brackets", "answer": "1"}]
+    assert grpo.read_rows(str(tmp_path / "data[v2].csv"), "train", args) == [{"prompt": "alone", "answer": "3"}]
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_a_file_rewritten_in_place_is_read_again(kind, tmp_path):
+    """The same name, size and modification time (a file from an archive), other rows: the new rows are read, none
+    from a cache (before, datasets' cache gave the old rows back)."""
+    import datasets
+
+    path = tmp_path / f"train.{kind}"
+    stamp = None
+    for answer in ("one", "two"):  # the same size
+        rows = [{"prompt": "1+0=", "answer": answer}]
+        if kind == "csv":
+            path.write_text(f"prompt,answer\n1+0=,{answer}\n")
+        else:
+            datasets.Dataset.from_list(rows).to_parquet(str(path))
+        if stamp is None:
+            stamp = os.stat(path).st_mtime_ns
+        os.utime(path, ns=(stamp, stamp))
+        assert grpo.read_rows(str(path), "train", grpo.Args()) == rows
+
+
+def test_zstd_is_said_and_every_compression_the_docs_list_is_read(tmp_path):
+    """docs/models-and-gpus.md lists the compressions a data file may have: each reads from a fresh install (the
+    standard library's), and a .zst file is answered in one sentence (zstd would need a package)."""
+    docs = open(os.path.join(ROOT, "docs", "models-and-gpus.md")).read()
+    compressions = re.search(r"compressed too\s+\(([^)]*)\)", docs.split("## Data")[1])[1]  # (`.gz`, ...: why)
+    listed = re.findall(r"`(\.\w+)`", compressions)
+    assert listed == [".gz", ".bz2", ".xz"]
+    compress = {".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
+    for suffix in listed:
+        path = tmp_path / f"train.jsonl{suffix}"
+        path.write_bytes(compress[suffix](b'{"prompt": "1+1=", "answer": "2"}\n'))
+        assert grpo.read_rows(str(path), "train", grpo.Args()) == [{"prompt": "1+1=", "answer": "2"}]
+    (tmp_path / "train.jsonl.zst").write_bytes(b"(\xb5/\xfd")
+    with pytest.raises(SystemExit, match="is compressed with zstd, .*; decompress it \\(zstd -d\\)"):
+        grpo.read_rows(str(tmp_path / "train.jsonl.zst"), "train", grpo.Args())
+
+
+@pytest.mark.parametrize("answer", [["119"], {"value": "119"}])
+def test_a_built_in_rule_refuses_an_answer_that_is_not_text_or_a_number(answer, tmp_path):
+    """A list (a parquet column of lists), a dict: the row is named before any model loads (before, ["119"] was
+    compared as the text "['119']" and the run exited 0 with accuracy 0)."""
+    import datasets
+
+    rows = [{"prompt": "100+19=", "answer": "119"}, {"prompt": "1+1=", "answer": answer}]
+    tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
+    args = grpo.Args(eval_every=0, reward_fn=("arithmetic",))
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    paths = [path]
+    if isinstance(answer, list):  # as parquet holds it
+        paths.append(tmp_path / "train.parquet")
+        datasets.Dataset.from_list([{**row, "answer": ["119"]} for row in rows]).to_parquet(str(paths[1]))
+    for path in paths:
+        with pytest.raises(
+            SystemExit,
+            match=f"row [12] of '{re.escape(str(path))}' has a (list|dict) as its 'answer' .*; the built-in rules "
+            "compare text or a number: store the answer as one.",
+        ):
+            grpo.load_prompts(str(path), "train", args, tokenizer)
+
+
+# ---------------------------------------------------------------- the lock, taken first
+
+HOLD = """import os, sys, time
+f = open(sys.argv[1], "a+")
+os.lockf(f.fileno(), os.F_TLOCK, 0)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_resume_while_a_run_holds_the_folder_is_refused_before_reading_it(tmp_path):
+    """The lock is taken before any checkpoint is read: --resume auto beside a running run is refused with "in use by
+    another run" (before, it read the checkpoints that the run's rotation was deleting)."""
+    out = tmp_path / "run"
+    (out / "checkpoint-3").mkdir(parents=True)  # damaged (no manifest): reading it would say so
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / "run.lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        args = grpo.Args(output_dir=str(out), resume="auto", eval_every=0)
+        with pytest.raises(SystemExit) as stopped:
+            grpo.validate(args)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert stopped.value.code.startswith(f"--output_dir '{out}' is in use by another run (")
+    assert args.resume == "auto"  # nothing was read
+
+
+def test_a_run_lock_that_is_a_folder_or_cannot_be_written_is_one_sentence_before_any_model(tmp_path):
+    out = tmp_path / "run"
+    (out / "run.lock").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(Is a directory\\); remove it"):
+        grpo.validate(grpo.Args(output_dir=str(out), eval_every=0))
+    if os.geteuid() != 0:  # root writes any file
+        (out / "run.lock").rmdir()
+        (out / "run.lock").write_text("")
+        (out / "run.lock").chmod(0o444)
+        with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(Permission denied\\)"):
+            grpo.validate(grpo.Args(output_dir=str(out), eval_every=0))
+
+
+def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path, capsys):
+    (tmp_path / "run.lock").write_bytes(b"\xff\xfe\x00garbage")
+    lock = grpo.lock_output_dir(str(tmp_path))
+    assert "garbage has ended; this run takes the folder over" in capsys.readouterr().out
+    assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
+    lock.close()
+
+
+# ---------------------------------------------------------------- options, in one sentence
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -float("inf"), 1e39])
+def test_reward_weights_must_be_finite_and_within_float32(weight):
+    args = grpo.Args(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0, weight))
+    with pytest.raises(SystemExit, match=r"--reward_weights must each be finite and within \+-3.4e\+38 \(got "):
+        grpo.validate(args)
+
+
+def test_every_finite_float_passes_the_finiteness_check():
+    """1e308 is finite (before, `abs(v) < 1e308` refused it and 1e308 itself); nan and inf are not."""
+    for value in (1e308, -1e308, 1.7976931348623157e308):
+        try:
+            grpo.validate(grpo.Args(clip_range_high=value, ent_coef=abs(value), eval_every=0))
+        except SystemExit as e:  # another rule of the option may refuse it, never its finiteness
+            assert "must be finite" not in str(e.code)
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(SystemExit, match="--ent_coef must be finite"):
+            grpo.validate(grpo.Args(ent_coef=value, eval_every=0))
+
+
+@pytest.mark.parametrize("spec", ["None", "none"])
+def test_reward_fn_none_is_answered_with_how_to_say_no_rule(spec):
+    with pytest.raises(SystemExit, match="pass --reward_fn with nothing after it for no rule"):
+        grpo.validate(grpo.Args(reward_fn=(spec,), eval_every=0))
+
+
+def test_a_reward_tokenizer_with_ids_past_the_embeddings_is_refused_before_its_model_loads(tmp_path):
+    """A word-level tokenizer of 300 words with ids from 1000 up, beside a model of 784 embeddings: 303 tokens fit in
+    784, but the ids do not (before, the check counted tokens and the first score raised IndexError)."""
+    words = {f"word{i}": 1000 + i for i in range(300)} | {"<pad>": 1300, "<unk>": 1301, "</s>": 1302}
+    backend = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+    assert len(tokenizer) <= 784 < max(tokenizer.get_vocab().values())
+    rm = tmp_path / "rm"
+    tokenizer.save_pretrained(rm)
+    config = LlamaConfig(vocab_size=784, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    config.architectures = ["LlamaForSequenceClassification"]
+    config.save_pretrained(rm)  # no weights: the check must come before they load
+    args = ppo.Args(reward_model_path=(str(rm),))
+    policy_tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
+    with pytest.raises(SystemExit, match="ids past the model's 784 embeddings \\(its largest is 1302\\)"):
+        ppo.load_reward_models(args, policy_tokenizer, "cpu")
+
+
+# ---------------------------------------------------------------- resume and logs
+
+
+def test_a_redone_last_evaluation_is_saved_so_a_later_resume_does_not_redo_it(tmp_path):
+    """The grading service fails during the last evaluation; the resumed run redoes it and saves it with the
+    checkpoint: a further --resume auto evaluates nothing and leaves no metrics.after-checkpoint-N file (before, each
+    resume evaluated again and set another copy of the row aside)."""
+    held_out = tmp_path / "test.jsonl"  # 8 prompts: one call of the rule per pass (sampled, greedy)
+    held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:8]))
+    evaluation = ["--eval_every=100", "--save_every=100", f"--eval_dataset={held_out}", "--eval_batch_size=8"]
+    args = [*cli("grpo.py"), *ARITHMETIC, *evaluation]
+    out = tmp_path / "run"
+    proc = launch("grpo.py", out, args, prelude=failing_reward(tmp_path, 9, rank=0))  # the last evaluation fails
+    printed = proc.communicate(timeout=240)[0]
+    assert "stopped after iteration 6; to go on:" in printed, printed[-3000:]
+    assert "iter 6 (redone) | held-out score" in resume_as_printed(printed, out / "checkpoint-6")
+    log = (out / "metrics.jsonl").read_bytes()
+    again = finished(script_command("grpo.py", out, [*args, "--resume", "auto"]))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "held-out score" not in again.stdout
+    assert (out / "metrics.jsonl").read_bytes() == log
+    assert not [name for name in os.listdir(out) if name.startswith("metrics.after-")]
+
+
+def test_a_damaged_log_is_set_aside_on_resume_not_a_traceback(tmp_path):
+    """Bytes that are not UTF-8 in the folder's metrics.jsonl, after the checkpoint's rows: set aside, byte for byte,
+    in the side file and said, as a row cut short is; the log goes on from the checkpoint's rows."""
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    rows = b'{"iteration": 1}\n{"iteration": 2}\n'
+    (checkpoint / "metrics.jsonl").write_bytes(rows)
+    damaged = b'{"iteration": 3, "x": "\xff\xfe"}\n{"itera'
+    (tmp_path / "metrics.jsonl").write_bytes(rows + damaged)
+    ppo.resumed_log(str(checkpoint), str(tmp_path / "metrics.jsonl"))
+    assert (tmp_path / "metrics.jsonl").read_bytes() == rows
+    assert (tmp_path / "metrics.after-checkpoint-2.jsonl").read_bytes() == damaged
+
+
+def test_a_state_of_another_iteration_than_its_manifest_is_damage(tmp_path):
+    """checkpoint-2 whose state.json says iteration 1, its manifest's checksums made again after the edit: damaged
+    (before, it resumed without a word and logged iteration 2 twice)."""
+    args = grpo.Args(output_dir=str(tmp_path))
+    for iteration, name in ((2, "checkpoint-2"), (1, "checkpoint-3")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "state.json").write_text(json.dumps(grpo.new_state() | {"iteration": iteration}))
+        (folder / "metrics.jsonl").write_text("")
+        grpo.write_manifest(str(folder), args, int(name[11:]), 0)
+    assert grpo.checkpoint_damage(str(tmp_path / "checkpoint-2")) is None
+    assert grpo.checkpoint_damage(str(tmp_path / "checkpoint-3")) == (
+        "its state.json is not of iteration 3, as its manifest.json is"
+    )
+
+
+def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
+    """Ctrl-C before the run's own handler is set (while the models load): one line and exit status 130, no
+    KeyboardInterrupt traceback."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tyro, "cli", interrupted)
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    code = None
+    try:
+        runpy.run_path(os.path.join(ROOT, "grpo.py"), run_name="__main__")
+    except KeyboardInterrupt:  # what python prints as a traceback
+        pytest.fail("Ctrl-C while starting ended in a KeyboardInterrupt traceback")
+    except SystemExit as e:
+        code = e.code
+    assert code == 130
+    assert capsys.readouterr().err == "stopped by Ctrl-C while starting: nothing was saved\n"
