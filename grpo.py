@@ -104,7 +104,7 @@ class Args:
     output_dir: str = "runs/grpo"
     """where metrics.jsonl, args.json and the final policy are written"""
     dataset: str = f"{ASSETS}/arithmetic/train.jsonl"
-    """training prompts: a local .jsonl, .json, .csv or .parquet file (compressed too), or a hub dataset name"""
+    """training prompts: a local .jsonl, .json, .csv, .tsv or .parquet file (.gz/.bz2/.xz too), or a hub dataset"""
     reward_model_path: tuple[str, ...] = ()
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ("arithmetic",)

@@ -101,7 +101,7 @@ class Args:
     output_dir: str = "runs/rloo"
     """where metrics.jsonl, args.json and the final policy are written"""
     dataset: str = f"{ASSETS}/reviews/train.jsonl"
-    """training prompts: a local .jsonl, .json, .csv or .parquet file (compressed too), or a hub dataset name"""
+    """training prompts: a local .jsonl, .json, .csv, .tsv or .parquet file (.gz/.bz2/.xz too), or a hub dataset"""
     reward_model_path: tuple[str, ...] = (f"{ASSETS}/tiny-rm",)
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ()
