@@ -10,8 +10,8 @@ starts and ends, flushed, so a check killed at any point leaves every finished r
                alternating; the same tokens from the same uniforms and greedily; the memory the new loop keeps
   recipe-mem   the new loop alone at the GRPO GSM8K recipe's shape (320 x 1,024): its time and memory
   ppo          two PPO iterations at the 0.5B shape (random weights, bf16, 64 prompts x 128 tokens), old and new loop
-  grpo-gsm8k   two GRPO iterations at the GSM8K recipe's shapes (0.5B shape, --mixed_precision, LoRA r 32, 64 prompts x
-               5, 1,024 new tokens), old and new loop
+  grpo-gsm8k   GRPO at the GSM8K recipe's shapes (0.5B shape, --mixed_precision, LoRA r 32, 64 prompts x 5, 1,024 new
+               tokens): two iterations with the new loop, one with the old (its 1,024 launch-bound steps)
   real-tokens  bench/real_tokens.py's layouts of the training forward at the GSM8K recipe's lengths (the 0.5B shape,
                random weights, bf16; 40 rows in micro-batches of 8): padded with the LM head over every position,
                padded, sorted and cut (what the scripts do), the same with the fused head, packed into one row

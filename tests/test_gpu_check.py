@@ -1,6 +1,7 @@
 """bench/gpu_check.sh and gpu_check.py, on a machine without a GPU: the shell script parses, every command line its
 rows would run parses as the script it calls, the GSM8K row has the shapes of the recipe in docs/recipes.md, the wheels
-it carries are the lock's versions, and its fastest rows run on the CPU and write the report."""
+it carries are the lock's versions, its fastest rows run on the CPU and write the report, the caps fit the budget, a
+row cut by its cap is not a failure, the commit is found without git, and a check killed mid-row leaves its report."""
 
 import contextlib
 import os
