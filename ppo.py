@@ -26,6 +26,7 @@ Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --
 models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, every model sharded with FSDP2).
 """
 
+import datetime
 import functools
 import hashlib
 import importlib.util
@@ -873,7 +874,7 @@ def start_processes(args):
     args.world_size = int(os.environ.get("WORLD_SIZE", 1))
     hf_logging.disable_progress_bar()  # transformers' loading and saving bars; the run's own bar stays
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=collective_timeout(args))
     else:  # a plain run's checkpoints are one process's, as meant: torch need not warn at each save and load
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -882,6 +883,18 @@ def start_processes(args):
     if rank == 0 and not token_logprobs.__module__.startswith("rlhf_kernels"):
         print("rlhf_kernels (the fused log-prob kernel) was not found: log-probs come from the plain torch path")
     return rank, device
+
+
+CHECKPOINT_S = 1200  # the longest a checkpoint may take: a 7B PPO run's policy and critic with Adam, 170 GB at 150 MB/s
+
+
+def collective_timeout(args):
+    """How long a process waits in a collective for the others: past the longest legitimate wait, twice
+    --reward_timeout and a checkpoint. NCCL's own 10 minutes, the default --reward_timeout, would end the processes
+    waiting on a hung reward when its alarm rings, before the checkpoint."""
+    if args.reward_timeout <= 0:  # a reward may take any time
+        return datetime.timedelta(days=7)
+    return datetime.timedelta(seconds=2 * args.reward_timeout + CHECKPOINT_S)
 
 
 def load_task(args, device):
@@ -961,6 +974,9 @@ def load_model(model_class, path, args, device, trained, **kwargs):
     model.requires_grad_(trained)
     if args.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy under torchrun
         model.forward = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)(model.forward)
+        for module in model.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                module.register_forward_hook(rotary_in_bf16)
     if args.gradient_checkpointing and trained:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -976,6 +992,12 @@ def load_model(model_class, path, args, device, trained, **kwargs):
     if dist.is_initialized() and (trained or not args.replicate_frozen):
         shard(model, args)
     return model
+
+
+def rotary_in_bf16(rotary, inputs, cos_sin):
+    """A hook on a rotary embedding under autocast: its cos and sin in bf16, as FSDP2's policy makes them, so that the
+    keys are bf16 too (a float32 trunk makes them float32: a cache 1.5x as large, cast to bf16 at every step)."""
+    return tuple(x.to(torch.bfloat16) for x in cos_sin)
 
 
 def lora_config(args, task_type):
@@ -1235,7 +1257,8 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.step_once(policy, *mode)
-        torch.cuda.current_stream().wait_stream(stream)
+        found = torch.cuda.current_stream()
+        found.wait_stream(stream)
         try:
             with torch.cuda.graph(graph, stream=stream):
                 self.step_once(policy, *mode)
@@ -1246,6 +1269,8 @@ class StaticDecoder:
                 "op by op, as with --decode static.",
                 stacklevel=2,
             )
+        finally:  # a failed capture leaves its stream the current one (torch.cuda.graph's exit stops at the error)
+            torch.cuda.set_stream(found)
 
     def step_once(self, policy, temperature, greedy):
         """Draw every row's token t, record it, and feed it to the policy: the body of generate's loop."""

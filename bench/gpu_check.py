@@ -1,6 +1,8 @@
 """Everything GPU-specific in one command: a session that is lent a GPU runs it once (at most 9 minutes) and gets
-one markdown report. Rows, in this order (a row that would not finish in the time left is skipped, and the report
-is rewritten after every row, so a run cut short keeps what it measured):
+one markdown report. Rows, in this order, each with its own cap (ROWS; bench/gpu_check_times.md has each row's
+expected time and how it was estimated); the caps of one call add up to less than its budget. A row stopped at its
+cap reads "not finished in N s" (a measurement not made, not a failure); the report is appended to as each row
+starts and ends, flushed, so a check killed at any point leaves every finished row on disk:
 
   kernels      the compiled Triton kernel against its fp64 reference (tests/test_kernels.py -k cuda)
   generation   bench_generate.py on the tiny model and the Qwen2.5-0.5B shape (random weights, bf16), 64 and 256
@@ -8,36 +10,42 @@ is rewritten after every row, so a run cut short keeps what it measured):
                alternating; the same tokens from the same uniforms and greedily; the memory the new loop keeps
   recipe-mem   the new loop alone at the GRPO GSM8K recipe's shape (320 x 1,024): its time and memory
   ppo          two PPO iterations at the 0.5B shape (random weights, bf16, 64 prompts x 128 tokens), old and new loop
-  grpo-gsm8k   two GRPO iterations at the GSM8K recipe's shapes (0.5B shape, --mixed_precision, LoRA r 32, 64 prompts x
-               5, 1,024 new tokens), old and new loop
+  grpo-gsm8k   GRPO at the GSM8K recipe's shapes (0.5B shape, --mixed_precision, LoRA r 32, 64 prompts x 5, 1,024 new
+               tokens): two iterations with the new loop, one with the old (its 1,024 launch-bound steps)
   real-tokens  bench/real_tokens.py's layouts of the training forward at the GSM8K recipe's lengths (the 0.5B shape,
                random weights, bf16; 40 rows in micro-batches of 8): padded with the LM head over every position,
                padded, sorted and cut (what the scripts do), the same with the fused head, packed into one row
   prefill      bench/real_tokens.py's prefill part at the same lengths (8 prompts x 5, 128 new tokens, the CUDA-graph
                loop): generate with every row's prompt encoded against each group's encoded once
-  torchrun     each script under torchrun --nproc_per_node=1 (NCCL, FSDP2, --decode static) with --mixed_precision for
-               three iterations saving a checkpoint each (DCP on CUDA), then resumed from the second: the resumed third
-               iteration against the uninterrupted one
+  torchrun     (a call of its own: --rows=torchrun) each script under torchrun --nproc_per_node=1 (NCCL, FSDP2,
+               --decode static) with --mixed_precision for three iterations saving a checkpoint each (DCP on CUDA),
+               then resumed from the second: the resumed third iteration against the uninterrupted one
 and the targets of the issue that asked for them (new loop >= 10x / 5x the old one's tokens per second at the 0.5B
 shape, 256 / 64 x 128; >= 10x on the tiny model; the same tokens; a PPO iteration <= 0.6x of the old one's time).
 
 The GPU machine's own torch, transformers and triton may be older than the lock's: the wheels it needs beyond its
 image are listed, with the command that fetches them, in bench/gpu_check_wheels.txt; gpu_check.sh installs them.
 
+    bash bench/gpu_check.sh --stamp                           # here, before the tree is copied: the commit
     bash bench/gpu_check.sh                                   # on the GPU machine: the report to $OUT/gpu_check.md
-    python bench/gpu_check.py --device cpu --out /tmp/gpu_check_cpu.md   # every row on tiny shapes, a few minutes
+    bash bench/gpu_check.sh --rows=torchrun --out $OUT/gpu_check_torchrun.md   # then, with 4 minutes left
+    python bench/gpu_check.py --device cpu --out /tmp/gpu_check_cpu.md   # the rows on tiny shapes, a few minutes
 
 With --device cpu every row runs on tiny shapes (the 0.5B shape becomes memory_accounting.py's small one, 2 layers
 of width 64; the loops compared are dynamic and static, as CUDA graphs need CUDA; torchrun uses gloo): it checks that
-each step of the script runs, not any number. tests/test_gpu_check.py runs parts of it.
+each step of the script runs, not any number. tests/test_gpu_check.py runs parts of it, a row cut by its cap, no
+`git`, and a check killed in the middle. Exit status: 1 when a row failed, 2 when the check was stopped (SIGTERM,
+as gpu_check.sh's `timeout` sends), else 0.
 """
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,10 +54,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from memory_accounting import SHAPE, SMALL, build  # noqa: E402
+from memory_accounting import SHAPE, SMALL  # noqa: E402
 
 BUDGET_S = 530  # the whole check, under the 9 minutes a GPU session gives it (the wheels' install comes first)
 SCRIPTS = ("ppo.py", "grpo.py", "rloo.py")
+# What the report names the versions of (the lock's versions beside any that differ)
+PACKAGES = ("torch", "triton", "transformers", "tokenizers", "huggingface_hub", "accelerate", "peft", "kernels", "tyro")
 
 
 def sizes(device):
@@ -118,27 +128,49 @@ def sizes(device):
 
 
 # ------------------------------------------------------------------------------------------------ running
-def call(cmd, timeout, env=None):
-    """Run a command from the repository root: (return code, its output), 124 when it ran past timeout."""
+class Stopped(BaseException):
+    """The check was sent SIGTERM (gpu_check.sh's timeout): the row running is left, the report closed."""
+
+
+def stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def call(ctx, cmd, timeout, env=None):
+    """Run a command from the repository root in a process group of its own: (return code, its output). Past timeout
+    the group is killed, ctx["cut"] is set (the row is not finished, not failed) and the code is 124; a check
+    stopped meanwhile kills it too."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # torchrun's workers too
+    )
     try:
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        return done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as e:
-        output = e.stdout or ""
-        if isinstance(output, bytes):
-            output = output.decode()
-        return 124, output + f"\n(stopped after {timeout:.0f} s)"
+        output = proc.communicate(timeout=max(timeout, 0.1))[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        ctx["cut"] = True
+        return 124, proc.communicate()[0] + f"\n(not finished in {timeout:.0f} s)"
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc.returncode, output
 
 
 def tail(output, n=15):
     return ["```", *output.strip().splitlines()[-n:], "```"]
 
 
-def script_run(script, out, timeout, *args, torchrun=False):
+def script_run(ctx, script, out, timeout, *args, torchrun=False):
     """One run of a script: (return code, output, rows of its metrics.jsonl)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"] if torchrun else [sys.executable]
-    code, output = call([*launcher, os.path.join(ROOT, script), "--output_dir", out, *args], timeout)
+    code, output = call(ctx, [*launcher, os.path.join(ROOT, script), "--output_dir", out, *args], timeout)
     path = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     return code, output, rows
@@ -174,6 +206,7 @@ def ratio(text):
 def row_kernels(ctx, timeout):
     env = {"TRITON_INTERPRET": "0" if ctx["device"] == "cuda" else "1"}
     code, output = call(
+        ctx,
         [
             sys.executable,
             "-m",
@@ -196,6 +229,7 @@ def row_generation(ctx, timeout, key="generation"):
     op by op (the eager path). The tokens against the old loop are reported: bf16 rounding may flip a near tie."""
     out = os.path.join(ctx["tmp"], f"{key}.md")
     code, output = call(
+        ctx,
         [
             sys.executable,
             os.path.join(HERE, "bench_generate.py"),
@@ -223,29 +257,39 @@ def row_recipe_memory(ctx, timeout):
     return row_generation(ctx, timeout, "recipe_mem")
 
 
-def random_models(ctx):
-    """The random policy and reward model of the 0.5B shape (the small one on the CPU), built once."""
+def random_models(ctx, timeout):
+    """The random policy and reward model of the 0.5B shape (the small one on the CPU), built once, by a child under
+    the row's time: (their two folders, or None where they were not built; the child's output)."""
     folder = os.path.join(ctx["tmp"], "models")
     if not os.path.exists(folder):
-        build(folder, ctx["sizes"]["shape"], "bfloat16")
-    return os.path.join(folder, "policy"), os.path.join(folder, "rm")
+        code = [
+            "import os, sys",
+            f"sys.path.insert(0, {HERE!r})",
+            "from memory_accounting import build",
+            f"build({folder + '.part'!r}, {ctx['sizes']['shape']!r}, 'bfloat16')",
+            f"os.rename({folder + '.part'!r}, {folder!r})",  # whole or not at all
+        ]
+        output = call(ctx, [sys.executable, "-c", "\n".join(code)], timeout)[1]
+        if not os.path.exists(folder):
+            return None, output
+    return (os.path.join(folder, "policy"), os.path.join(folder, "rm")), ""
 
 
-def old_and_new(ctx, timeout, script, args):
-    """The same short run with the new loop, then the old one: a table of seconds per iteration and of generation;
-    the new / old time of the last iteration both finished goes to ctx[script]. The old loop gets what time is left:
-    if it is stopped, the iterations it finished still count, and the row says so."""
+def old_and_new(ctx, timeout, script, new_args, old_args):
+    """A short run with the new loop, then the same with the old one: a table of seconds per iteration and of
+    generation; the new loop's last iteration (past its capture) over the old one's goes to ctx[script]. The new loop
+    gets 0.45 of the time, the old one what is left: if it is cut, the iterations it finished still count."""
     s = ctx["sizes"]
     seconds = {}
     started = time.time()
     notes = []
     lines = ["| loop | iteration | time/iteration s | time/generate s | response length |", "|---|---:|---:|---:|---:|"]
-    for decode in (s["new"], s["old"]):
+    for decode, args in ((s["new"], new_args), (s["old"], old_args)):
         out = os.path.join(ctx["tmp"], f"{script}-{decode}")
         left = timeout - (time.time() - started)
         if decode == s["new"]:
-            left = 0.4 * left
-        code, output, rows = script_run(script, out, left, *args, "--decode", decode)
+            left = 0.45 * left
+        code, output, rows = script_run(ctx, script, out, left, *args, "--decode", decode)
         rows = [r for r in rows if "time/iteration" in r]
         if not rows:
             return False, f"--decode {decode} failed ({code})", lines + tail(output)
@@ -257,15 +301,17 @@ def old_and_new(ctx, timeout, script, args):
                 f"{r['response/length']:.0f} |"
             )
         seconds[decode] = [r["time/iteration"] for r in rows]
-    last = min(len(seconds[s["new"]]), len(seconds[s["old"]])) - 1  # the first holds the capture and warm-ups
-    new = seconds[s["new"]][last]
-    old = seconds[s["old"]][last]
+    new = seconds[s["new"]][-1]  # the first iteration holds the capture and warm-ups
+    old = seconds[s["old"]][-1]
     ctx[script] = new / old
-    summary = f"iteration {last + 1}: {old:.2f} s old, {new:.2f} s new ({ctx[script]:.2f}x)"
+    summary = (
+        f"iteration {len(seconds[s['old']])} old {old:.2f} s, iteration {len(seconds[s['new']])} new {new:.2f} s "
+        f"({ctx[script]:.2f}x)"
+    )
     return not notes, "; ".join([summary, *notes]), lines
 
 
-def ppo_args(s, policy, rm):
+def ppo_args(s, policy, rm, iterations=2):
     """PPO at the 0.5B shape: 64 prompts x 128 tokens in bf16 (a tiny rollout on the CPU)."""
     args = [
         "--model_name_or_path",
@@ -274,7 +320,7 @@ def ppo_args(s, policy, rm):
         rm,
         "--model_dtype=bfloat16",
         "--total_episodes",
-        str(2 * s["prompts"]),
+        str(iterations * s["prompts"]),
         "--rollout_batch_size",
         str(s["prompts"]),
         "--response_length",
@@ -287,7 +333,7 @@ def ppo_args(s, policy, rm):
     return args
 
 
-def grpo_args(s, policy):
+def grpo_args(s, policy, iterations=2):
     """The GRPO GSM8K recipe of docs/recipes.md with its shapes (the arithmetic prompts and rule stand in for GSM8K's,
     which need the hub): --mixed_precision, LoRA rank 32, 64 prompts x 5, 1,024 new tokens, one step per rollout."""
     responses = s["prompts"] * s["generations"]
@@ -309,7 +355,7 @@ def grpo_args(s, policy):
         str(s["micro"]),
         "--num_epochs=1",
         "--total_episodes",
-        str(2 * responses),
+        str(iterations * responses),
         "--learning_rate=3e-5",
         "--lora_r",
         str(s["lora_r"]),
@@ -343,18 +389,38 @@ def torchrun_args(script):
 
 
 def row_ppo(ctx, timeout):
-    return old_and_new(ctx, timeout, "ppo.py", ppo_args(ctx["sizes"], *random_models(ctx)))
+    """Two iterations with each loop (the random models are built here, once for every row that needs them)."""
+    started = time.time()
+    models, output = random_models(ctx, timeout)
+    if models is None:
+        return False, "the random 0.5B-shape models were not built", tail(output)
+    args = ppo_args(ctx["sizes"], *models)
+    return old_and_new(ctx, timeout - (time.time() - started), "ppo.py", args, args)
 
 
 def row_grpo_gsm8k(ctx, timeout):
-    return old_and_new(ctx, timeout, "grpo.py", grpo_args(ctx["sizes"], random_models(ctx)[0]))
+    """Two iterations with the new loop, one with the old one (2 x 1,024 launch-bound steps would not fit its cap):
+    the new loop's second iteration against the old one's first, which has no capture to hold."""
+    started = time.time()
+    models, output = random_models(ctx, timeout)
+    if models is None:
+        return False, "the random 0.5B-shape models were not built", tail(output)
+    s = ctx["sizes"]
+    left = timeout - (time.time() - started)
+    return old_and_new(ctx, left, "grpo.py", grpo_args(s, models[0]), grpo_args(s, models[0], iterations=1))
 
 
 def real_tokens_part(ctx, timeout, part):
     """A part of bench/real_tokens.py at the recipe's lengths on the random 0.5B-shape policy: (return code, the
     table's lines, the output)."""
+    started = time.time()
+    models, output = random_models(ctx, timeout)
+    if models is None:
+        return 1, [], output
+    timeout = timeout - (time.time() - started)
     out = os.path.join(ctx["tmp"], f"real_tokens_{part}.md")
     code, output = call(
+        ctx,
         [
             sys.executable,
             os.path.join(HERE, "real_tokens.py"),
@@ -362,7 +428,7 @@ def real_tokens_part(ctx, timeout, part):
             part,
             "--settings=gsm8k",
             "--policy",
-            random_models(ctx)[0],
+            models[0],
             "--device",
             ctx["device"],
             *ctx["sizes"]["real_tokens" if part == "layouts" else part],
@@ -408,11 +474,11 @@ def row_torchrun(ctx, timeout):
         full = os.path.join(ctx["tmp"], f"torchrun-{script}-full")
         resumed = os.path.join(ctx["tmp"], f"torchrun-{script}-resumed")
         left = timeout - (time.time() - started)
-        code, output, rows = script_run(script, full, left / 2, *args, torchrun=True)
+        code, output, rows = script_run(ctx, script, full, left / 2, *args, torchrun=True)
         if code == 0:
             left = timeout - (time.time() - started)
             code, output, again = script_run(
-                script, resumed, left, *args, "--resume", os.path.join(full, "checkpoint-2"), torchrun=True
+                ctx, script, resumed, left, *args, "--resume", os.path.join(full, "checkpoint-2"), torchrun=True
             )
         if code != 0:
             lines.append(f"| {script} | failed ({code}) | | |")
@@ -431,19 +497,22 @@ def row_torchrun(ctx, timeout):
     return ok, "three scripts, NCCL/gloo, FSDP2, --mixed_precision, DCP checkpoint and resume", lines
 
 
-# (name, row, the most seconds it may take). Expected on one H100 or H200, from the old loop's 25 ms per decode step
-# of the 0.5B shape: about 40, 110, 15, 75 (building the random models included), 150, 30, 20 and 90 s: 530 of the
-# 530, so that a slow row leaves torchrun out rather than the rest.
+# (name, row, its cap: the most seconds it may take). bench/gpu_check_times.md gives each row's expected time on one
+# H100 or H200 and how it was estimated (no GPU has run it yet); a cap is its estimate with about a quarter more.
+# One call runs every row but torchrun: 480 s of caps against the 530 s budget, 50 s for starting Python, reading
+# versions and between rows. torchrun is a call of its own (its cap alone), for a session with 4 minutes left.
 ROWS = [
-    ("kernels", row_kernels, 90),
-    ("generation", row_generation, 150),
-    ("recipe-mem", row_recipe_memory, 40),
-    ("ppo", row_ppo, 120),
-    ("grpo-gsm8k", row_grpo_gsm8k, 200),
-    ("real-tokens", row_real_tokens, 60),
+    ("kernels", row_kernels, 45),
+    ("generation", row_generation, 120),
+    ("recipe-mem", row_recipe_memory, 35),
+    ("ppo", row_ppo, 90),
+    ("grpo-gsm8k", row_grpo_gsm8k, 120),
+    ("real-tokens", row_real_tokens, 40),
     ("prefill", row_prefill, 30),
     ("torchrun", row_torchrun, 150),
 ]
+ONE_CALL = [name for name, _, _ in ROWS if name != "torchrun"]  # the default rows: one call, inside the budget
+MARGIN_S = 50  # what the caps of one call leave of its budget
 
 
 # ---------------------------------------------------------------------------------------------- the report
@@ -501,8 +570,10 @@ def targets(ctx):
     return rows
 
 
-def verdict_cell(ok):
-    """A row's result: True passed, None skipped, False failed."""
+def verdict_cell(ok, cut, seconds):
+    """A row's result: True passed, False failed, None skipped; one cut by its cap was not finished, whatever else."""
+    if cut:
+        return f"not finished in {seconds:.0f} s"
     if ok is None:
         return "skipped"
     if ok:
@@ -519,69 +590,164 @@ def met_cell(met):
     return "NO"
 
 
-def write(ctx, results):
+def append(path, lines):
+    """Add lines to the report and put them on disk at once: a check killed later keeps them."""
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit_of(root):
+    """The commit the check runs: $GPU_CHECK_COMMIT, else bench/gpu_check.commit (`gpu_check.sh --stamp` writes it in
+    the caller's tree, before it is copied to a machine without .git or git), else git's; never an error."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
+    stamp = os.path.join(root, "bench", "gpu_check.commit")
+    if os.path.exists(stamp):
+        return open(stamp).read().strip() + " (from bench/gpu_check.commit)"
+    try:
+        done = subprocess.run(
+            ["git", "-C", root, "describe", "--always", "--dirty", "--abbrev=7"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown (git could not run: {type(e).__name__}; run `bash bench/gpu_check.sh --stamp` before copying)"
+    if done.returncode != 0:
+        return "unknown (no .git here; run `bash bench/gpu_check.sh --stamp` before copying)"
+    return done.stdout.strip()
+
+
+def versions():
+    """Python's and each package's version as installed, the lock's beside any that differs: one line."""
+    lock = {}
+    for line in open(os.path.join(ROOT, "requirements.lock")):
+        name, _, version = line.split(";")[0].strip().partition("==")
+        if version and not name.startswith("#"):
+            lock[name.lower().replace("_", "-")] = version
+    found = [f"Python {platform.python_version()}"]
+    for package in PACKAGES:
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            version = "missing"
+        wanted = lock.get(package.replace("_", "-"))
+        if wanted and not version.startswith(wanted):  # torch's local suffix (+cu128, +cpu) is the same version
+            version += f" (the lock: {wanted})"
+        found.append(f"{package} {version}")
+    return ", ".join(found)
+
+
+def header(ctx, argv, caps):
+    """The report's first lines: the device, the command, the commit, the versions, the rows and their caps."""
     import torch
-    import transformers
 
     device = torch.cuda.get_device_name() if ctx["device"] == "cuda" else f"CPU ({platform.machine()})"
-    commit = call(["git", "rev-parse", "--short", "HEAD"], 10)[1].strip()
-    lines = [
+    command = " ".join(["python bench/gpu_check.py", *argv])
+    return [
         f"# gpu_check: {device}, {datetime.datetime.now():%Y-%m-%d %H:%M}",
         "",
-        f"torch {torch.__version__}, transformers {transformers.__version__}, commit {commit}, "
-        f"`python bench/gpu_check.py --device {ctx['device']}`"
-        + ("" if ctx["device"] == "cuda" else " (tiny shapes: a dry run, no number counts)"),
+        f"`{command}`" + ("" if ctx["device"] == "cuda" else " (tiny shapes: a dry run, no number counts)"),
         "",
-        "| row | result | seconds | summary |",
-        "|---|---|---:|---|",
+        f"- commit: {commit_of(ROOT)}",
+        f"- versions: {versions()}",
+        f"- rows and their caps (s): {', '.join(f'{name} {cap:g}' for name, cap in caps)}; budget {ctx['budget']:g} s",
+        "",
+        "Each row's section is written as it starts and ends; a section with no result is the row the check was in",
+        "when it was killed.",
     ]
-    for name, ok, seconds, summary, _ in results:
-        lines.append(f"| {name} | {verdict_cell(ok)} | {seconds:.0f} | {summary} |")
+
+
+def summary(ctx, results):
+    """The last lines: every row's result in a table, then the issue's targets against what the rows measured."""
+    lines = ["", "## summary", "", "| row | result | seconds | summary |", "|---|---|---:|---|"]
+    for name, verdict, seconds, text in results:
+        lines.append(f"| {name} | {verdict} | {seconds:.0f} | {text} |")
     found = targets(ctx)
     if found:
         lines += ["", "| target | measured | met |", "|---|---|---|"]
         for what, x, met in found:
             lines.append(f"| {what} | {x} | {met_cell(met)} |")
-    for name, _, _, _, details in results:
-        lines += ["", f"## {name}", "", *details]
-    with open(ctx["out"], "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return lines
+
+
+def run_row(ctx, name, row, timeout):
+    """One row, its section of the report written as it starts and as it ends: (result, seconds, summary)."""
+    append(ctx["out"], ["", f"## {name}", "", f"started, {timeout:.0f} s given"])
+    ctx["cut"] = False
+    t0 = time.time()
+    try:
+        ok, text, details = row(ctx, timeout)
+    except Exception as e:  # a broken row is reported, and the next one runs
+        ok = False
+        text = f"{type(e).__name__}: {e}"
+        details = []
+    seconds = time.time() - t0
+    verdict = verdict_cell(ok, ctx["cut"], timeout)
+    append(ctx["out"], ["", f"**{verdict}** ({seconds:.0f} s): {text}", "", *details])
+    print(f"{name}: {verdict} ({seconds:.0f} s) {text}", flush=True)
+    return verdict, seconds, text
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda where there is one")
     p.add_argument("--out", default=None, help="the report (default: $OUT/gpu_check.md, else bench/gpu_check.md)")
-    p.add_argument("--rows", default=",".join(name for name, _, _ in ROWS), help="some of the rows, comma-separated")
+    p.add_argument("--rows", default=",".join(ONE_CALL), help="rows, comma-separated (default: all but torchrun)")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all rows")
+    p.add_argument("--caps", default="", help="other caps than ROWS' for some rows: name=seconds,...")
     a = p.parse_args(argv)
+    caps = {name: cap for name, _, cap in ROWS}
+    for item in a.caps.split(","):
+        if item:
+            name, _, seconds = item.partition("=")
+            caps[name] = float(seconds)
+    unknown = (set(a.rows.split(",")) | set(caps)) - {name for name, _, _ in ROWS}
+    if unknown:
+        p.error(f"no row named {', '.join(sorted(unknown))}; the rows are {', '.join(n for n, _, _ in ROWS)}")
+    chosen = [(name, row) for name, row, _ in ROWS if name in a.rows.split(",")]
     import torch
 
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = a.out or os.path.join(os.environ.get("OUT") or HERE, "gpu_check.md")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     started = time.time()
     results = []
+    stopped = None
+    previous = signal.signal(signal.SIGTERM, stop)
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = dict(device=device, sizes=sizes(device), tmp=tmp, out=out)
-        for name, row, longest in ROWS:
-            if name not in a.rows.split(","):
-                continue
-            left = a.budget - (time.time() - started)
-            if left < min(longest, 30):
-                results.append((name, None, 0.0, f"no time left ({left:.0f} s)", []))
-                continue
-            t0 = time.time()
-            try:
-                ok, summary, details = row(ctx, min(longest, left))
-            except Exception as e:  # a broken row is reported, and the next one runs
-                ok = False
-                summary = f"{type(e).__name__}: {e}"
-                details = []
-            results.append((name, ok, time.time() - t0, summary, details))
-            print(f"{name}: {'pass' if ok else 'FAIL'} ({time.time() - t0:.0f} s) {summary}", flush=True)
-            write(ctx, results)
+        ctx = dict(device=device, sizes=sizes(device), tmp=tmp, out=out, budget=a.budget)
+        open(out, "w").close()
+        try:
+            append(out, header(ctx, argv, [(name, caps[name]) for name, _ in chosen]))
+            for name, row in chosen:
+                left = a.budget - (time.time() - started)
+                if left < min(caps[name], 30):
+                    results.append((name, "skipped", 0.0, f"no time left ({left:.0f} s)"))
+                    append(out, ["", f"## {name}", "", f"**skipped**: no time left ({left:.0f} s)"])
+                    continue
+                results.append((name, *run_row(ctx, name, row, min(caps[name], left))))
+        except Stopped as e:
+            stopped = str(e)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if stopped:
+            seconds = time.time() - started
+            append(out, ["", f"**stopped** by {stopped} after {seconds:.0f} s of the check, in this row"])
+            left_out = [name for name, _ in chosen[len(results) :]]
+            for name in left_out:
+                verdict = "not run"
+                if name == left_out[0]:
+                    verdict = f"stopped by {stopped}"
+                results.append((name, verdict, 0.0, ""))
+        append(out, summary(ctx, results))
     print(f"report: {out}")
-    return 0 if all(ok is not False for _, ok, _, _, _ in results) else 1
+    if stopped:
+        return 2
+    return 1 if any(verdict == "FAIL" for _, verdict, _, _ in results) else 0
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ def build(folder, shape, dtype):
     return counts
 
 
+def kv_cache_bytes(shape, batch, columns):
+    """What a decode loop's KV cache holds for batch rows of columns positions: a key and a value per layer, KV head
+    and position, in bf16 (with bf16 weights and with --mixed_precision alike: the rotary hook keeps its keys bf16)."""
+    head_size = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    return batch * columns * shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * head_size * 2
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -111,6 +118,9 @@ def main():
         f"of which {baseline:,.0f} MB is the "
         f"Python process with torch and transformers imported; {peak - baseline:,.0f} MB above that, "
         f"{(peak - baseline) / total:.2f}x the accounting.",
+        "",
+        f"While sampling, the KV cache (bf16, --mixed_precision too): "
+        f"{kv_cache_bytes(SMALL if a.small else SHAPE, 1, 1) / 2**10:g} KiB per token of each response.",
     ]
     report(lines, a.out)
 
