@@ -314,9 +314,8 @@ def dual_clip_loss(loss, advantages, c):
     loss (B, T) from clip_loss, advantages (B, T) or (B, 1); returns the loss and where the bound took effect."""
     if not c:
         return loss, torch.zeros_like(loss)
-    bound = -c * advantages
-    bounded = (advantages < 0) & (loss > bound)
-    return torch.where(bounded, bound, loss), bounded.float()
+    bounded = (advantages < 0) & (loss > -c * advantages)
+    return torch.where(bounded, -c * advantages, loss), bounded.float()
 
 
 # <<< shared: clipped surrogate
@@ -329,10 +328,11 @@ def overlong_penalty(lengths, has_eos, args):
     -f when cut off there without a stop token, unless --mask_truncated leaves it out. lengths count the stop token."""
     if not args.overlong_buffer:
         return torch.zeros_like(lengths, dtype=torch.float)
-    start = args.response_length - args.overlong_buffer  # the last length without punishment
-    over = ((lengths - start) / args.overlong_buffer).clamp(0, 1)  # (B,) from 0 at start to 1 at the limit
-    cut_off = ~has_eos & (not args.mask_truncated)
-    return -args.overlong_penalty * torch.where(cut_off, 1.0, over)
+    over = ((lengths - args.response_length) / args.overlong_buffer + 1).clamp(0, 1)  # (B,) 0 to the buffer, 1 at L
+    penalty = -args.overlong_penalty * torch.where(has_eos, over, 1.0)
+    if args.mask_truncated:  # a cut-off response is left out of the loss, not punished
+        penalty = torch.where(has_eos, penalty, 0.0)
+    return penalty
 
 
 # <<< shared: overlong punishment
