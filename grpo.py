@@ -13,9 +13,10 @@ Where this file departs from the paper, and why:
   sequence_mean does; sequence_mean and Dr. GRPO's constant divisor (Liu et al. 2025, arXiv:2503.20783)
   are options, as is Dr. GRPO's unscaled advantage (--scale_rewards none).
 - Separate lower and upper clip ranges (DAPO's clip-higher), equal by default.
-- Groups whose responses all score the same teach nothing (every advantage is 0); their fraction is logged,
-  and --drop_zero_signal_groups leaves them out of the loss (DAPO's dynamic sampling, without resampling
-  to refill the batch).
+- Groups whose responses all score the same teach nothing (every advantage is 0); their fraction is logged;
+  --drop_zero_signal_groups leaves them out of the loss, and --dynamic_sampling draws more prompts in rounds
+  until the batch is full of groups with signal (DAPO's dynamic sampling).
+- DAPO's soft overlong punishment and dual-clip PPO's bound are options (--overlong_buffer, --dual_clip).
 - --policy_loss gspo (GSPO, Zheng et al. 2025: one clipped ratio per response) or cispo (MiniMax-M1's
   clipped, detached importance weight on every token's log pi) replaces the per-token clipped surrogate.
 - logprobs_old are recorded while sampling, as in ppo.py, and dropout stays off.
