@@ -224,6 +224,21 @@ def test_sync_copies_the_first_file_over_the_others():
     assert drifted(out) == []
 
 
+def test_a_block_may_stand_deeper_in_one_file_than_in_another():
+    """main's generation and scoring sits inside grpo.py's loop over sampling rounds, one level deeper than in ppo.py:
+    copies compare without their common indentation, and a sync indents the copy as its markers are, the lines that
+    stand shallower than the block's first line (the last step after the loop) included."""
+    a = "for i in r:\n    # >>> shared: one\n    x = 1\n    if x:\n        y = 1\nend()\n# <<< shared: one\n"
+    deeper = (
+        "for i in r:\n    for j in s:\n        # >>> shared: one\n        x = 1\n        if x:\n            y = 1\n"
+    )
+    b = deeper + "    end()\n    # <<< shared: one\n"
+    assert drifted({"a.py": a, "b.py": b}) == []
+    assert len(drifted({"a.py": a, "b.py": b.replace("y = 1", "y = 2")})) == 1
+    out = synced({"a.py": a, "b.py": b.replace("y = 1", "y = 2")})
+    assert out == {"a.py": a, "b.py": b}
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--sync"]:
     for path, text in synced(present()).items():
         with open(os.path.join(ROOT, path), "w") as f:
