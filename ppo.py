@@ -187,6 +187,13 @@ class Args:
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     mask_truncated: bool = False
     """leave responses cut off at --response_length out of the loss (DAPO's overlong filtering), not penalised"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: over the last this many tokens before --response_length a response's score
+    falls linearly to -overlong_penalty; one cut off there gets -overlong_penalty (with --mask_truncated: nothing)"""
+    overlong_penalty: float = 0.0
+    """f, the soft overlong punishment at --response_length (DAPO: 1), added to --missing_eos_penalty; 0: off"""
+    dual_clip: float = 0.0
+    """dual-clip PPO's c > 1 (the paper: 3): a token with a negative advantage A loses at most -c A; 0: off"""
     max_grad_norm: float = 1.0
     """gradient-norm clip, per trained model"""
     ent_coef: float = 0.0
@@ -301,7 +308,34 @@ def clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
     return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
 
 
+def dual_clip_loss(loss, advantages, c):
+    """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729, eq. 5): a token with A < 0 loses at most -c A (c > 1), where
+    clip_loss's -rho A grows without bound as rho does; past the bound its gradient is 0. c = 0: the loss as it is.
+    loss (B, T) from clip_loss, advantages (B, T) or (B, 1); returns the loss and where the bound took effect."""
+    if not c:
+        return loss, torch.zeros_like(loss)
+    bounded = (advantages < 0) & (loss > -c * advantages)
+    return torch.where(bounded, -c * advantages, loss), bounded.float()
+
+
 # <<< shared: clipped surrogate
+
+
+# >>> shared: overlong punishment
+def overlong_penalty(lengths, has_eos, args):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), each response's (B,): 0 up to the
+    last --overlong_buffer tokens before --response_length, then falling linearly to -f at it (f: --overlong_penalty);
+    -f when cut off there without a stop token, unless --mask_truncated leaves it out. lengths count the stop token."""
+    if not args.overlong_buffer:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    over = ((lengths - args.response_length) / args.overlong_buffer + 1).clamp(0, 1)  # (B,) 0 to the buffer, 1 at L
+    penalty = -args.overlong_penalty * torch.where(has_eos, over, 1.0)
+    if args.mask_truncated:  # a cut-off response is left out of the loss, not punished
+        penalty = torch.where(has_eos, penalty, 0.0)
+    return penalty
+
+
+# <<< shared: overlong punishment
 
 
 def masked_whiten(x, mask, eps=1e-8):
@@ -698,6 +732,7 @@ def main(args):
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
         clock = Stopwatch()
         state_before = dict(state)  # what a stop before the update saves
+        rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
         # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
         idx, width = next_prompts(prompts, state, args, rank)  # width: the longest prompt on any process
         prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)  # (B, P)
@@ -705,7 +740,6 @@ def main(args):
 
         # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
         # >>> shared: generate and score
-        rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
         uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
         responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
@@ -713,8 +747,9 @@ def main(args):
         clock.lap("generate")
         scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
         has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
-        train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) the tokens the loss reads
-        save_and_exit_if_asked(stops, args, models, optimizers, state_before, rank, device)  # a failed reward, a signal
+        train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
+        overlong = overlong_penalty(response_mask.sum(1), has_eos, args)  # (B,) 0 without --overlong_buffer
+        save_and_exit_if_asked(stops, args, models, optimizers, state_before, rank, device)  # failed reward, signal
         # <<< shared: generate and score
 
         with torch.no_grad():
@@ -722,6 +757,8 @@ def main(args):
             if args.normalize_reward:
                 score = normalize_scores(score, state, args.rollout_batch_size)
             score = torch.where(has_eos | args.mask_truncated, score, score - args.missing_eos_penalty)
+            if args.overlong_buffer:
+                score = score + overlong
 
             # --- 4. reference log-probs, values, per-token rewards, GAE, whitened advantages ---
             logprobs_ref = (
@@ -786,25 +823,22 @@ def main(args):
                     pg_loss, ratio, pg_clipped = clip_loss(
                         logprobs, micro["logprobs_old"], micro["advantages"], args.clip_range, args.clip_range
                     )
+                    pg_loss, dual_clipped = dual_clip_loss(pg_loss, micro["advantages"], args.dual_clip)
                     vf_loss, vf_clipped = value_loss(
                         values, micro["values_old"], micro["returns"], args.value_clip_range
                     )
                     loss = ((pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy) * mask).sum() / mb_tokens
                     loss.backward()  # under FSDP2, also sums the gradients over the processes
-                    add_token_stats(
-                        stats,
-                        mask,
-                        ratio,
-                        logprobs,
-                        micro["logprobs_old"],
-                        {
-                            "policy/loss": pg_loss,
-                            "val/loss": vf_loss,
-                            "policy/entropy": entropy,
-                            "policy/clipfrac": pg_clipped,
-                            "val/clipfrac": vf_clipped,
-                        },
-                    )
+                    terms = {
+                        "policy/loss": pg_loss,
+                        "val/loss": vf_loss,
+                        "policy/entropy": entropy,
+                        "policy/clipfrac": pg_clipped,
+                        "val/clipfrac": vf_clipped,
+                    }
+                    if args.dual_clip:
+                        terms["policy/dual_clipfrac"] = dual_clipped
+                    add_token_stats(stats, mask, ratio, logprobs, micro["logprobs_old"], terms)
                 # >>> shared: optimiser step
                 grad_norms = {}
                 for name, model in models.items():
@@ -825,6 +859,8 @@ def main(args):
         state["episodes"] += responses_per_iteration
         m = dashboard(stats, state, scores, rollout, clock, args)
         m["memory/model_states_mb"] = megabytes_held(all_models, optimizers.values())  # this process's (rank 0's)
+        if args.overlong_buffer:
+            m["objective/overlong_penalty"] = global_mean(overlong)
         # <<< shared: dashboard
         seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
         var_residual = masked_var(returns - values_old, response_mask).item()
@@ -1138,6 +1174,29 @@ def left_pad(sequences, pad_token_id, device, width=None):
         ids[i, width - len(s) :] = torch.tensor(s)
         mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def join_rounds(rounds, pad_token_id):
+    """Rounds of rows {key: (B_i, L_i) or (B_i,)} as one batch, each key padded to its longest: prompt_* keys on the
+    left, the others on the right; token ids (*_ids) with pad_token_id, everything else with 0."""
+    joined = {}
+    for key in rounds[0]:
+        width = max(rows[key].shape[-1] for rows in rounds)
+        value = 0
+        if key.endswith("_ids"):
+            value = pad_token_id
+        parts = []
+        for rows in rounds:
+            x = rows[key]
+            gap = width - x.shape[-1]
+            if x.dim() == 1:
+                parts.append(x)
+            elif key.startswith("prompt_"):
+                parts.append(torch.nn.functional.pad(x, (gap, 0), value=value))
+            else:
+                parts.append(torch.nn.functional.pad(x, (0, gap), value=value))
+        joined[key] = torch.cat(parts)
+    return joined
 
 
 def row_uniforms(rng, rows, args, rank):
@@ -1773,7 +1832,16 @@ def check_common_args(args, responses_per_iteration):
         lambda v: v >= 1,
     )
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
-    require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
+    require(
+        args,
+        ("ent_coef", "missing_eos_penalty", "lora_r", "overlong_penalty"),
+        "must be zero or more",
+        lambda v: v >= 0,
+    )
+    require(args, ("overlong_buffer",), "must lie in [0, --response_length]", lambda v: 0 <= v <= args.response_length)
+    if bool(args.overlong_buffer) != bool(args.overlong_penalty):
+        raise SystemExit("--overlong_buffer and --overlong_penalty go together: pass both (DAPO: 1 for the penalty).")
+    require(args, ("dual_clip",), "must be 0 (off) or more than 1 (the paper uses 3)", lambda v: v == 0 or v > 1)
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")

@@ -144,6 +144,11 @@ class Args:
     """the per-token KL estimate in the loss (see kl_penalty)"""
     drop_zero_signal_groups: bool = False
     """leave groups whose responses all scored the same out of the loss"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: draw and sample prompts in rounds until the rollout holds --rollout_batch_size groups
+    whose scores differ (episodes count every response generated; --total_episodes, those trained on)"""
+    max_sampling_rounds: int = 8
+    """the most rounds of --dynamic_sampling in an iteration; then groups without signal fill the rollout"""
     normalize_reward: bool = True
     """normalise scores by the running mean and std of all scores seen so far"""
 
@@ -183,6 +188,13 @@ class Args:
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     mask_truncated: bool = False
     """leave responses cut off at --response_length out of the loss (DAPO's overlong filtering), not penalised"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: over the last this many tokens before --response_length a response's score
+    falls linearly to -overlong_penalty; one cut off there gets -overlong_penalty (with --mask_truncated: nothing)"""
+    overlong_penalty: float = 0.0
+    """f, the soft overlong punishment at --response_length (DAPO: 1), added to --missing_eos_penalty; 0: off"""
+    dual_clip: float = 0.0
+    """dual-clip PPO's c > 1 (the paper: 3): a token with a negative advantage A loses at most -c A; 0: off"""
     max_grad_norm: float = 1.0
     """gradient-norm clip, per trained model"""
     ent_coef: float = 0.0
@@ -297,7 +309,34 @@ def clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
     return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
 
 
+def dual_clip_loss(loss, advantages, c):
+    """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729, eq. 5): a token with A < 0 loses at most -c A (c > 1), where
+    clip_loss's -rho A grows without bound as rho does; past the bound its gradient is 0. c = 0: the loss as it is.
+    loss (B, T) from clip_loss, advantages (B, T) or (B, 1); returns the loss and where the bound took effect."""
+    if not c:
+        return loss, torch.zeros_like(loss)
+    bounded = (advantages < 0) & (loss > -c * advantages)
+    return torch.where(bounded, -c * advantages, loss), bounded.float()
+
+
 # <<< shared: clipped surrogate
+
+
+# >>> shared: overlong punishment
+def overlong_penalty(lengths, has_eos, args):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), each response's (B,): 0 up to the
+    last --overlong_buffer tokens before --response_length, then falling linearly to -f at it (f: --overlong_penalty);
+    -f when cut off there without a stop token, unless --mask_truncated leaves it out. lengths count the stop token."""
+    if not args.overlong_buffer:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    over = ((lengths - args.response_length) / args.overlong_buffer + 1).clamp(0, 1)  # (B,) 0 to the buffer, 1 at L
+    penalty = -args.overlong_penalty * torch.where(has_eos, over, 1.0)
+    if args.mask_truncated:  # a cut-off response is left out of the loss, not punished
+        penalty = torch.where(has_eos, penalty, 0.0)
+    return penalty
+
+
+# <<< shared: overlong punishment
 
 
 # >>> shared: GSPO and CISPO
@@ -623,6 +662,12 @@ def validate(args):
     require(args, ("num_generations",), "must be at least 2 (the others are each one's baseline)", lambda v: v >= 2)
     require(args, ("learning_rate", "clip_range_low", "clip_range_high"), "must be positive", lambda v: v > 0)
     require(args, ("kl_coef",), "must be zero or more", lambda v: v >= 0)
+    require(args, ("max_sampling_rounds",), "must be at least 1", lambda v: v >= 1)
+    if args.dual_clip and args.policy_loss != "clip":
+        raise SystemExit(
+            f"--dual_clip bounds the clipped loss of a token's ratio; --policy_loss {args.policy_loss} has "
+            "no such per-token term to bound (GSPO's ratio is per response, CISPO's weight is clipped already)."
+        )
     check_common_args(args, responses_per_iteration=args.rollout_batch_size * args.num_generations)
 
 
@@ -637,6 +682,8 @@ PRINTED = [
     ("ent", "policy/entropy", ".2f"),
     ("clip", "policy/clipfrac", ".3f"),
     ("zero-signal", "adv/zero_signal_fraction", ".2f"),
+    ("rounds", "rollout/sampling_rounds", "d"),
+    ("groups with signal", "rollout/groups_kept", "d"),
     ("held-out", "eval/score", "+.3f"),
 ]
 
@@ -678,31 +725,84 @@ def main(args):
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
         clock = Stopwatch()
         state_before = dict(state)  # what a stop before the update saves
-        # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
-        idx, width = next_prompts(prompts, state, args, rank)  # width: the longest prompt on any process
-        idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
-        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)  # (B, P)
-        P = prompt_ids.shape[1]  # B = local prompts x G
-
-        # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
-        # >>> shared: generate and score
         rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
-        uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
-        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
-        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
-        attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
-        clock.lap("generate")
-        scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
-        has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
-        train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) the tokens the loss reads
-        save_and_exit_if_asked(stops, args, models, optimizers, state_before, rank, device)  # a failed reward, a signal
-        # <<< shared: generate and score
+        drawn = []  # --dynamic_sampling: each round's responses, of every process
+        reward_failures = 0  # this process's, over the rounds
+        for sampling_round in range(1, args.max_sampling_rounds + 1):  # one round unless --dynamic_sampling
+            # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+            idx, width = next_prompts(prompts, state, args, rank)  # width: the longest prompt on any process
+            idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
+            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
+            P = prompt_ids.shape[1]  # (B, P), B = local prompts x G
+
+            # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the responses ---
+            # >>> shared: generate and score
+            uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
+            responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
+            input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+            attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
+            clock.lap("generate")
+            scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+            has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
+            train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
+            overlong = overlong_penalty(response_mask.sum(1), has_eos, args)  # (B,) 0 without --overlong_buffer
+            save_and_exit_if_asked(stops, args, models, optimizers, state_before, rank, device)  # failed reward, signal
+            # <<< shared: generate and score
+            if not args.dynamic_sampling:
+                break
+            # >>> shared: dynamic sampling, a round
+            # DAPO's dynamic sampling: rounds until rollout_batch_size groups have scores that differ (with penalties)
+            penalised = scores.raw - args.missing_eos_penalty * ~(has_eos | args.mask_truncated) + overlong  # (B,)
+            signal = ~zero_signal_groups(penalised, G).repeat_interleave(G)  # (B,) rows of groups with signal
+            reward_failures += scores.failed
+            round_rows = dict(
+                prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask,
+                response_ids=responses,
+                response_mask=response_mask,
+                logprobs_old=logprobs_old,
+                train_mask=train_mask,
+                has_eos=has_eos.float(),
+                overlong=overlong,
+                signal=signal.float(),
+                raw=scores.raw,
+                **scores.metrics,
+            )
+            drawn.append(gather_rows(round_rows))  # every process's rows, in the order one process draws them
+            groups_with_signal = int(sum(rows["signal"].sum().item() for rows in drawn)) // G
+            if groups_with_signal >= args.rollout_batch_size or sampling_round == args.max_sampling_rounds:
+                break
+            state["episodes"] += responses_per_iteration  # each round's responses count as generated
+            # <<< shared: dynamic sampling, a round
+        if args.dynamic_sampling:
+            # >>> shared: dynamic sampling, the rollout
+            # The first rollout_batch_size groups with signal in the order drawn (after max_sampling_rounds, those
+            # without fill the rest), the same on every process; each takes its slice.
+            drawn = join_rounds(drawn, tokenizer.pad_token_id)
+            order = (1 - drawn["signal"]).argsort(stable=True)[:responses_per_iteration]  # with signal first
+            kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+            prompt_ids = kept["prompt_ids"]
+            prompt_mask = kept["prompt_mask"]
+            response_mask = kept["response_mask"]
+            responses = torch.where(response_mask.bool(), kept["response_ids"], tokenizer.pad_token_id)
+            P = prompt_ids.shape[1]
+            input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+            attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
+            logprobs_old = kept["logprobs_old"]
+            train_mask = kept["train_mask"]
+            has_eos = kept["has_eos"].bool()
+            overlong = kept["overlong"]
+            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+            scores = Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
+            # <<< shared: dynamic sampling, the rollout
 
         with torch.no_grad():
             score = scores.raw  # (B,)
             if args.normalize_reward:
                 score = normalize_scores(score, state, responses_per_iteration)
             score = torch.where(has_eos | args.mask_truncated, score, score - args.missing_eos_penalty)
+            if args.overlong_buffer:
+                score = score + overlong
 
             # --- 4. the reference's log-probs, the KL-shaped reward, leave-one-out advantages, one per response ---
             response_reward = score  # (B,) what the advantages compare: the score, or the KL-shaped score
@@ -767,10 +867,13 @@ def main(args):
                         args.clip_range_low,
                         args.clip_range_high,
                     )
+                    pg_loss, dual_clipped = dual_clip_loss(pg_loss, micro["advantages"][:, None], args.dual_clip)
                     if reinforce:  # the paper's -A log pi; at ratio 1 its gradient is the clipped loss's
                         pg_loss = -micro["advantages"][:, None] * logprobs
                     per_token = pg_loss - args.ent_coef * entropy  # (micro, T)
                     terms = {"policy/loss": pg_loss, "policy/entropy": entropy, "policy/clipfrac": pg_clipped}
+                    if args.dual_clip:
+                        terms["policy/dual_clipfrac"] = dual_clipped
                     if ref_policy is not None and args.kl_in_loss:
                         terms["policy/kl_term"] = kl_penalty(logprobs, micro["logprobs_ref"], args.kl_estimator, mask)
                         per_token = per_token + args.kl_coef * terms["policy/kl_term"]
@@ -798,7 +901,13 @@ def main(args):
         state["episodes"] += responses_per_iteration
         m = dashboard(stats, state, scores, rollout, clock, args)
         m["memory/model_states_mb"] = megabytes_held(all_models, optimizers.values())  # this process's (rank 0's)
+        if args.overlong_buffer:
+            m["objective/overlong_penalty"] = global_mean(overlong)
         # <<< shared: dashboard
+        if args.dynamic_sampling:
+            m["rollout/sampling_rounds"] = sampling_round
+            m["rollout/groups_drawn"] = sampling_round * args.rollout_batch_size
+            m["rollout/groups_kept"] = min(groups_with_signal, args.rollout_batch_size)
         m.update(
             {
                 "objective/group_reward_std": global_mean(group_std),
@@ -1105,6 +1214,29 @@ def left_pad(sequences, pad_token_id, device, width=None):
         ids[i, width - len(s) :] = torch.tensor(s)
         mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def join_rounds(rounds, pad_token_id):
+    """Rounds of rows {key: (B_i, L_i) or (B_i,)} as one batch, each key padded to its longest: prompt_* keys on the
+    left, the others on the right; token ids (*_ids) with pad_token_id, everything else with 0."""
+    joined = {}
+    for key in rounds[0]:
+        width = max(rows[key].shape[-1] for rows in rounds)
+        value = 0
+        if key.endswith("_ids"):
+            value = pad_token_id
+        parts = []
+        for rows in rounds:
+            x = rows[key]
+            gap = width - x.shape[-1]
+            if x.dim() == 1:
+                parts.append(x)
+            elif key.startswith("prompt_"):
+                parts.append(torch.nn.functional.pad(x, (gap, 0), value=value))
+            else:
+                parts.append(torch.nn.functional.pad(x, (0, gap), value=value))
+        joined[key] = torch.cat(parts)
+    return joined
 
 
 def row_uniforms(rng, rows, args, rank):
@@ -1740,7 +1872,16 @@ def check_common_args(args, responses_per_iteration):
         lambda v: v >= 1,
     )
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
-    require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
+    require(
+        args,
+        ("ent_coef", "missing_eos_penalty", "lora_r", "overlong_penalty"),
+        "must be zero or more",
+        lambda v: v >= 0,
+    )
+    require(args, ("overlong_buffer",), "must lie in [0, --response_length]", lambda v: 0 <= v <= args.response_length)
+    if bool(args.overlong_buffer) != bool(args.overlong_penalty):
+        raise SystemExit("--overlong_buffer and --overlong_penalty go together: pass both (DAPO: 1 for the penalty).")
+    require(args, ("dual_clip",), "must be 0 (off) or more than 1 (the paper uses 3)", lambda v: v == 0 or v > 1)
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")

@@ -96,9 +96,12 @@ def main():
     rows_of_panels = (len(args.panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows_of_panels, cols, figsize=(4.4 * cols, 3.3 * rows_of_panels), squeeze=False)
     for ax, key in zip(axes.flat, args.panels):
-        for rows, label in zip(runs, labels):
+        for i, (rows, label) in enumerate(zip(runs, labels)):
             points = [(x_of(r, args.x), r[key]) for r in rows if key in r]
-            ax.plot(*zip(*points), label=label, marker="o" if key.startswith("eval/") else None, markersize=3)
+            if not points:  # a key this run does not log: its colour stays its own in the other panels
+                continue
+            marker = "o" if key.startswith("eval/") else None
+            ax.plot(*zip(*points), label=label, color=f"C{i}", marker=marker, markersize=3)
         ax.set_title(TITLES.get(key, key))
         ax.set_xlabel("wall-clock minutes" if args.x == "minutes" else "episodes")
         ax.grid(alpha=0.3)

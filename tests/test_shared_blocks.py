@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -40,9 +41,12 @@ MAX_LINE = 120
 # raised to what it needs; the next change that frees lines lowers it again. Since then: local data files read here
 # (cells of a .csv as text, the standard library's decompressors, parquet through pyarrow) rather than through
 # datasets' cache and patterns, the lock taken before a resume reads the folder, more options checked, the
-# collectives' timeout (collective_timeout), the rotary hook of --mixed_precision and a failed capture's stream
-# restored: 1,747 lines.
-LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 700, 900, 250, 1747, 3
+# collectives' timeout (collective_timeout), the rotary hook of --mixed_precision, a failed capture's stream
+# restored, and join_rounds (dynamic sampling's rounds padded into one): 1,779 lines. DAPO's parts and dual clip
+# raised three more to what they need: the loop by 730 (their three arguments, the dual-clip bound and the overlong
+# punishment, 29 lines of algorithm above ppo.py's main), main by line 942 and 252 lines long (rloo.py: dynamic
+# sampling's rounds and the rollout they keep, 52 lines of steps 1-3).
+LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 733, 945, 255, 1779, 3
 DIFF_LINES = {("ppo.py", "grpo.py"): 600, ("grpo.py", "rloo.py"): 220}
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
@@ -64,7 +68,7 @@ def shared_blocks(text, name="file", lines_too=False):
             open_name, lines, starts[block] = block, [], number
         else:
             assert block == open_name, f"{name}:{number}: '{block}' closes, but '{open_name}' is open"
-            blocks[block], open_name = "\n".join(lines), None
+            blocks[block], open_name = textwrap.dedent("\n".join(lines)), None  # a block may sit deeper in a file
     assert open_name is None, f"{name}: '{open_name}' is never closed"
     return (blocks, starts) if lines_too else blocks
 
@@ -107,7 +111,10 @@ def synced(files):
             mark = MARK.match(line)
             if mark and mark.group(1) == ">>>":
                 out.append(line)
-                out.extend(source[mark.group(2)].splitlines())
+                body = source[mark.group(2)]
+                first = next((b for b in body.splitlines() if b.strip()), "")  # at the marker's indentation
+                indent = " " * (len(line) - len(line.lstrip()) - (len(first) - len(first.lstrip())))
+                out.extend(textwrap.indent(body, indent).splitlines())
                 inside = True
             elif mark:
                 out.append(line)
@@ -219,6 +226,21 @@ def test_sync_copies_the_first_file_over_the_others():
     assert out["a.py"] == a
     assert out["b.py"] == "z = 3\n# >>> shared: one\ndef f():\n    return 1\n# <<< shared: one\n" + BANNER + "\nq = 1\n"
     assert drifted(out) == []
+
+
+def test_a_block_may_stand_deeper_in_one_file_than_in_another():
+    """main's generation and scoring sits inside grpo.py's loop over sampling rounds, one level deeper than in ppo.py:
+    copies compare without their common indentation, and a sync indents the copy as its markers are, the lines that
+    stand shallower than the block's first line (the last step after the loop) included."""
+    a = "for i in r:\n    # >>> shared: one\n    x = 1\n    if x:\n        y = 1\nend()\n# <<< shared: one\n"
+    deeper = (
+        "for i in r:\n    for j in s:\n        # >>> shared: one\n        x = 1\n        if x:\n            y = 1\n"
+    )
+    b = deeper + "    end()\n    # <<< shared: one\n"
+    assert drifted({"a.py": a, "b.py": b}) == []
+    assert len(drifted({"a.py": a, "b.py": b.replace("y = 1", "y = 2")})) == 1
+    out = synced({"a.py": a, "b.py": b.replace("y = 1", "y = 2")})
+    assert out == {"a.py": a, "b.py": b}
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--sync"]:

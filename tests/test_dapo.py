@@ -1,0 +1,207 @@
+"""DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) and dual-clip PPO (Ye et al. 2020, eq. 5) against plain
+float64 loops written from the papers' equations (values, gradients per token, the clip fractions, with padding), in
+all three scripts; their arguments refused in one sentence; and DAPO's dynamic sampling in runs: the groups it keeps,
+the episodes it counts, a stop in any round resumed bitwise, and two processes computing what one computes."""
+
+import math
+
+import pytest
+import test_robustness
+import torch
+from helpers import run_script
+from test_distributed import assert_rows_agree, assert_same_model, common, run_torchrun
+from test_distributed import held_out as held_out  # noqa: F401 (the fixture, found by its name)
+from test_real_use import ARITHMETIC, resume_as_printed
+from test_robustness import (  # noqa: F401 (small_held_out_set: test_robustness's autouse fixture)
+    assert_bitwise_equal,
+    final_state,
+    launch,
+    read_rows,
+    small_held_out_set,
+    without_timing,
+)
+
+import grpo
+import ppo
+import rloo
+
+SCRIPTS = [ppo, grpo, rloo]
+LENGTHS = [7, 3, 5, 1, 6, 4]  # responses of a rollout, right-padded to 7
+ADVANTAGES = [1.5, -0.7, 0.4, -2.0, 0.9, -0.3]
+
+
+def ragged(seed):
+    """log-probs (B, T) float64, 0 past each response's end, the rollout's, a mask, one advantage per response (B, 1);
+    log-ratios of spread 0.8, so that some ratios pass 1.5 and others fall below 1 - 0.2."""
+    g = torch.Generator().manual_seed(seed)
+    T = max(LENGTHS)
+    mask = (torch.arange(T)[None] < torch.tensor(LENGTHS)[:, None]).double()
+    old = -3 * torch.rand(len(LENGTHS), T, generator=g, dtype=torch.float64) * mask
+    new = (old + 0.8 * torch.randn(len(LENGTHS), T, generator=g, dtype=torch.float64)) * mask
+    return new, old, torch.tensor(ADVANTAGES, dtype=torch.float64)[:, None], mask
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo"])
+def test_dual_clip_matches_the_papers_bound_token_by_token(module):
+    """Ye et al. eq. 5 as a loss to minimise: -min(rho A, clip(rho) A) for A >= 0; for A < 0, min(that, -c A). A token
+    with A < 0 whose ratio passed c loses -c A, a constant: no gradient; elsewhere the clipped loss and its gradient."""
+    new, old, adv, mask = ragged(seed=7)
+    low = 0.2
+    high = 0.28
+    c = 1.5
+    logprobs = new.clone().requires_grad_()
+    weights = torch.rand(new.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * mask
+    clipped_loss, ratio, clipped = module.clip_loss(logprobs, old, adv, low, high)
+    loss, bounded = module.dual_clip_loss(clipped_loss, adv, c)
+    (loss * weights).sum().backward()
+    kinds = set()
+    for i, n in enumerate(LENGTHS):
+        a = ADVANTAGES[i]
+        for t in range(n):
+            rho = math.exp(new[i, t].item() - old[i, t].item())
+            surrogate = min(rho * a, min(max(rho, 1 - low), 1 + high) * a)  # PPO's clipped objective
+            objective = surrogate
+            if a < 0:
+                objective = max(surrogate, c * a)  # the dual clip: never below c A
+            is_bounded = a < 0 and c * a > surrogate
+            is_clipped = (a > 0 and rho > 1 + high) or (a < 0 and rho < 1 - low)
+            kinds.add((a < 0, is_bounded, is_clipped))
+            assert loss[i, t].item() == pytest.approx(-objective, rel=1e-12)
+            assert bounded[i, t].item() == float(is_bounded)
+            assert clipped[i, t].item() == float(is_clipped)
+            # by hand: d/d log pi of -rho A is -rho A; 0 where the clip or the bound took a constant
+            expected = 0.0 if is_bounded or is_clipped else -weights[i, t].item() * rho * a
+            assert logprobs.grad[i, t].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert (logprobs.grad[i, n:] == 0).all()  # padding
+    # every case: A > 0 inside and clipped, A < 0 inside, clipped low and bounded (ratio past c)
+    assert kinds == {
+        (False, False, False),
+        (False, False, True),
+        (True, False, False),
+        (True, False, True),
+        (True, True, False),
+    }
+    assert 0 < bounded[mask.bool()].mean().item() < 0.5
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo"])
+def test_dual_clip_off_is_the_clipped_loss_itself(module):
+    new, old, adv, _ = ragged(seed=8)
+    clipped_loss = module.clip_loss(new, old, adv, 0.2, 0.2)[0]
+    loss, bounded = module.dual_clip_loss(clipped_loss, adv, 0.0)
+    assert loss is clipped_loss  # untouched: the default runs stay bitwise what they were
+    assert not bounded.any()
+
+
+def eq13(length, cut_off, response_length, buffer, factor):
+    """DAPO eq. 13 times f: 0 up to L_max - L_cache, ((L_max - L_cache) - |y|) / L_cache up to L_max, -1 past it (a
+    response cut off at the limit is past it: it would have gone on)."""
+    if cut_off:
+        return -factor
+    if length <= response_length - buffer:
+        return 0.0
+    return factor * ((response_length - buffer) - length) / buffer
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo"])
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_overlong_punishment_is_dapos_equation_13(module, mask_truncated):
+    """Every length from 1 to the limit, ended or cut off (at the limit), for buffers of 1, 5 and the whole length;
+    with --mask_truncated a cut-off response is left out of the loss and not punished."""
+    L = 12
+    for buffer in (1, 5, L):
+        args = module.Args(
+            response_length=L, overlong_buffer=buffer, overlong_penalty=0.7, mask_truncated=mask_truncated
+        )
+        lengths = torch.tensor([*range(1, L + 1), L], dtype=torch.float64)
+        has_eos = torch.tensor([True] * L + [False])
+        got = module.overlong_penalty(lengths, has_eos, args)
+        for n, ended, value in zip(lengths.tolist(), has_eos.tolist(), got.tolist()):
+            expected = eq13(n, not ended, L, buffer, 0.7)
+            if mask_truncated and not ended:
+                expected = 0.0
+            assert value == pytest.approx(expected, rel=1e-12, abs=1e-15), (buffer, n, ended)
+        assert got[L - 1].item() == pytest.approx(-0.7)  # ended at the limit: the full punishment
+    off = module.overlong_penalty(torch.tensor([3, L]), torch.tensor([True, False]), module.Args(response_length=L))
+    assert off.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "module,kw,message",
+    [
+        (ppo, dict(dual_clip=1.0), r"--dual_clip must be 0 \(off\) or more than 1"),
+        (grpo, dict(dual_clip=3.0, policy_loss="gspo"), r"--dual_clip bounds the clipped loss .* --policy_loss gspo"),
+        (rloo, dict(dual_clip=3.0, policy_loss="cispo", clip_range_low=1.0), r"--policy_loss cispo has no such"),
+        (grpo, dict(overlong_buffer=4), "--overlong_buffer and --overlong_penalty go together"),
+        (rloo, dict(overlong_penalty=1.0), "--overlong_buffer and --overlong_penalty go together"),
+        (
+            ppo,
+            dict(overlong_buffer=30, overlong_penalty=1.0),
+            r"--overlong_buffer must lie in \[0, --response_length\]",
+        ),
+        (grpo, dict(dynamic_sampling=True, max_sampling_rounds=0), "--max_sampling_rounds must be at least 1"),
+    ],
+)
+def test_bad_combinations_stop_in_one_sentence_before_any_model_loads(module, kw, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        module.validate(module.Args(output_dir=str(tmp_path / "run"), **kw))
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- dynamic sampling in runs
+
+DYNAMIC = ["--dynamic_sampling", "--max_sampling_rounds=3", "--save_every=3"]
+
+
+def rounds_of(rows):
+    return [r["rollout/sampling_rounds"] for r in rows if "rollout/sampling_rounds" in r]
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
+def test_a_stop_in_a_later_sampling_round_resumes_bitwise(script, tmp_path):
+    """The tiny arithmetic run (groups of 4) with --dynamic_sampling: iterations take 1 to 3 rounds. The rollout holds
+    only groups with signal unless 3 rounds ran out, and the episodes count every response generated. The reward
+    then fails in the second round of an iteration: the run stops with the checkpoint before that iteration, and
+    resumed it is the run whose reward never failed, to its Adam states."""
+    args = [*test_robustness.cli(script), *ARITHMETIC, *DYNAMIC]
+    full, _ = run_script(script, tmp_path / "full", *args)
+    rounds = rounds_of(full)
+    assert len(rounds) == 6
+    assert max(rounds) > 1  # a round drawn again
+    for row in full:
+        if row["rollout/groups_kept"] == 2:
+            assert row["adv/zero_signal_fraction"] == 0
+    assert [r["episodes"] for r in full] == [8 * sum(rounds[: i + 1]) for i in range(6)]
+    # the reward fails in round 2 of the first iteration past the first that draws again
+    later = next(i for i, n in enumerate(rounds) if n > 1 and i > 0)
+    batch = sum(rounds[:later]) + 2  # counting rollouts from 1
+    out = tmp_path / "run"
+    proc = launch(script, out, args, prelude=test_robustness.failing_reward(tmp_path, batch, rank=0))
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1, printed[-3000:]
+    assert f"stopped after iteration {later}; to go on:" in printed, printed[-3000:]
+    resume_as_printed(printed, out / f"checkpoint-{later}")
+    assert without_timing(read_rows(out)) == without_timing(full)
+    assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
+
+
+def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):  # noqa: F811
+    """grpo.py as DAPO runs it (clip-higher, token mean, dynamic sampling, the overlong punishment) with dual clip, on
+    two processes and on one: the same rounds, groups and metrics (within 1e-5), and the same weights. Each process
+    draws its slice of every round; the kept groups are chosen from all of them and dealt out again."""
+    dapo = [
+        "--clip_range_high=0.28",
+        "--dynamic_sampling",
+        "--max_sampling_rounds=3",
+        "--overlong_buffer=4",
+        "--overlong_penalty=1",
+        "--dual_clip=3",
+        "--temperature=0.3",  # groups that all score alike, often: rounds drawn again
+    ]
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    rows_one, _ = run_script("grpo.py", one, *common("grpo.py", held_out), *dapo)
+    rows_two = run_torchrun("grpo.py", two, *common("grpo.py", held_out), *dapo)
+    assert_rows_agree(rows_two, rows_one)
+    assert_same_model(two, one)
+    assert max(rounds_of(rows_one)) > 1  # a round drawn again
