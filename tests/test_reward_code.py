@@ -7,12 +7,14 @@ timeout, nothing it started is left, the failure is named as it happened, the sc
 import math
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import numpy
 import pytest
+from helpers import ENV, ROOT
 
 import ppo
 
@@ -117,11 +119,29 @@ def test_a_reward_call_ends_within_its_timeout_with_everything_it_started(grader
     assert math.isnan(scores[0])  # no score taken from it
     assert threading.active_count() == threads_before
     for path in (graders.parent / "pids").iterdir():
-        pid = int(path.read_text())
-        deadline = time.time() + 5  # SIGKILL is delivered, not waited for
-        while alive(pid) and time.time() < deadline:
-            time.sleep(0.05)
-        assert not alive(pid), path.name
+        assert gone(int(path.read_text())), path.name
+
+
+def gone(pid, seconds=5):
+    """Whether the process ends within a few seconds (SIGKILL is delivered, not waited for)."""
+    deadline = time.time() + seconds
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def test_nothing_a_grader_started_outlives_the_trainer(graders):
+    """The trainer killed with SIGKILL (none of its code runs) while its grader waits on a subprocess: the reward
+    process sees the trainer's end of its stdin close and kills its group (before: the subprocess lived on)."""
+    call = f"import ppo; ppo.call_reward_fn(ppo.load_reward_fn({str(graders)!r} + ':popen'), ['a'], [1], 0)"
+    trainer = subprocess.Popen([sys.executable, "-c", call], cwd=ROOT, env=ENV)
+    started = graders.parent / "pids" / "popen"
+    while not started.exists() or not started.read_text():
+        assert trainer.poll() is None
+        time.sleep(0.05)
+    trainer.kill()
+    trainer.wait()
+    assert gone(int(started.read_text()))
 
 
 def test_a_stop_signal_ends_a_reward_call_at_once_whatever_the_timeout(graders):
