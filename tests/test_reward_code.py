@@ -108,6 +108,7 @@ TIMED_OUT = "an error (TimeoutError: no answer within --reward_timeout 1 s)"
         ("lazy", TIMED_OUT),  # before: the generator was read after the alarm was off: the call took 120 s
         ("own_alarm", "an error (OwnLimit: the grader's own 50 ms limit)"),  # before: its handler was replaced
     ],
+    ids=["shell", "popen", "threads", "forgiving", "lazy", "own_alarm"],
 )
 def test_a_reward_call_ends_within_its_timeout_with_everything_it_started(graders, name, why):
     threads_before = threading.active_count()
@@ -162,8 +163,8 @@ def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders):
     """A grader's process pool forks the process the grader runs in: a fork taken while another thread holds a lock
     (tqdm's monitor, torch's threads) can hang the child. The grader runs in a fresh interpreter (no torch in it),
     whose only other thread waits in a system call for the trainer to end, holding no lock."""
-    tqdm_monitor = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # threads in the trainer
-    tqdm_monitor.start()
+    other_thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # the trainer has other threads
+    other_thread.start()
     assert "torch" in sys.modules
     assert ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where"), ["a", "b"], [1, 2], 10) == ([2.0, 0.0], None)
 
@@ -229,6 +230,7 @@ def test_several_functions_a_failure_names_its_function_and_a_none_is_said(tmp_p
             "--reward_fn gives two functions one name, and each logs its scores as reward/<name>; rename one",
         ),
     ],
+    ids=["timeout 1e-9", "timeout 1e10", "two functions of one name"],
 )
 def test_reward_options_out_of_range_are_refused_in_one_sentence(changes, message):
     args = ppo.Args(**changes)
