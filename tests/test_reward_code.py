@@ -14,9 +14,13 @@ import time
 
 import numpy
 import pytest
+import test_robustness
 from helpers import ENV, ROOT
 
 import ppo
+
+# test_robustness's fixture that gives pytest its signal handlers back (a fixture is found by its name in the module)
+keep_signal_handlers = test_robustness.keep_signal_handlers
 
 GRADERS = """
 import os
@@ -75,8 +79,8 @@ def own_alarm(responses, answers):
     time.sleep(120)
 
 
-def where(responses, answers):  # the process it runs in: its threads, and whether it holds the trainer's torch
-    return [threading.active_count(), float("torch" in sys.modules)]
+def where(responses, answers):  # the process it runs in: its threads, the trainer's torch, the default SIGTERM
+    return [threading.active_count(), "torch" in sys.modules, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL]
 """
 
 
@@ -159,14 +163,18 @@ def test_a_stop_signal_ends_a_reward_call_at_once_whatever_the_timeout(graders):
     assert ppo.call_reward_fn(reward_fn, ["a"], [1], 1)[1] == TIMED_OUT  # a fresh process, killed again
 
 
-def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders):
-    """A grader's process pool forks the process the grader runs in: a fork taken while another thread holds a lock
-    (tqdm's monitor, torch's threads) can hang the child. The grader runs in a fresh interpreter (no torch in it),
-    whose only other thread waits in a system call for the trainer to end, holding no lock."""
+def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_handlers):
+    """A grader's process pool forks the process the grader runs in. Forked from the trainer, its workers had the
+    trainer's SIGTERM handler until an at-fork hook put the default back: a worker not yet run when the pool ended
+    swallowed the pool's SIGTERM, and Pool.__exit__ waited for it forever (2 of 25 runs, on a loaded machine); a
+    fork also copies locks the trainer's other threads hold. The grader runs in a fresh interpreter: no torch, the
+    default SIGTERM, and one other thread, which waits in a system call holding no lock."""
+    ppo.catch_stop_signals()  # the trainer's handlers
     other_thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # the trainer has other threads
     other_thread.start()
     assert "torch" in sys.modules
-    assert ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where"), ["a", "b"], [1, 2], 10) == ([2.0, 0.0], None)
+    scores = ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where"), ["a", "b", "c"], [1, 2, 3], 10)
+    assert scores == ([2.0, 0.0, 1.0], None)
 
 
 def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_pools(tmp_path):
