@@ -45,7 +45,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections import defaultdict
@@ -470,10 +469,9 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
     answers = [row.get(args.answer_field) for row in rows]
     for spec, fn in scorer.reward_fns:
         scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
-        name = spec.rpartition(":")[2]
-        rules[name] = torch.tensor(scores, device=input_ids.device)
+        rules[spec.rpartition(":")[2]] = torch.tensor(scores, device=input_ids.device)
         if reason is not None:
-            failures.append((spec, rules[name], reason))
+            failures.append((spec, scores, reason))
     rule_reward = None  # (B,) the rules' weighted sum
     if rules:
         weights = args.reward_weights or [1.0] * len(rules)
@@ -481,9 +479,7 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
     score = combine_scores(rm_scores, rule_reward)
     why = first_rule_failure(score, failures, several=len(rules) > 1)
     prompt_ids = input_ids[:, :P]
-    failed = 0
-    if not any(isinstance(r, int) for r in stops or ()):  # after a stop signal the run saves, the batch unused
-        score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
+    score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
     metrics = {}
     if rules:
         metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
@@ -1452,7 +1448,7 @@ def replace_failed_scores(score, why, texts, tokenizer, prompt_ids, args, stops)
     """Scores (B,) that are not finite: a reason to stop (in stops; none given: raised), or with --on_reward_error
     penalty put below the batch's lowest. why says what failed (None: a score is not finite). Returns (B,), count."""
     bad = ~torch.isfinite(score)
-    if not bad.any():
+    if not bad.any() or any(isinstance(r, int) for r in stops or ()):  # after a stop signal the batch goes unused
         return score, 0
     if why is None:
         why = "not a finite number"
@@ -1501,7 +1497,6 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
-@functools.cache  # one process per function: the argument check starts it, the run uses it
 def load_reward_fn(spec):
     """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function,
     fn(texts, answers) -> a float each, loaded in a RewardProcess of its own."""
@@ -1513,9 +1508,15 @@ def load_reward_fn(spec):
             f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
             "path/to/file.py:function or package.module:function."
         )
+    return reward_process(spec)
+
+
+@functools.cache  # one process per function: the argument check starts it, the run uses it
+def reward_process(spec):
+    """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process:
+    every one stops, rank 0 says it)."""
     process = RewardProcess(spec)
-    error = process.start()
-    errors = [e for e in all_processes(error) if e]  # on any process: every one stops, rank 0 says it
+    errors = [e for e in all_processes(process.start()) if e]
     if errors:
         raise SystemExit(errors[0])
     return process
@@ -1593,7 +1594,7 @@ class RewardProcess:
 
 
 REWARD_PROCESS_IMPORTS = (
-    "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys, threading"
+    "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
 )
 
 
@@ -1656,15 +1657,18 @@ def reward_reply(fn, texts, answers):
         return "raised", f"{type(e).__name__}: {e}"
 
 
-def end_with_the_trainer():
-    """In the reward process: once the trainer's end of stdin closes (it ended, however), kill the process group."""
-    os.read(0, 1)  # blocked in a system call, holding no lock: a fork meanwhile (a process pool) is safe
-    os.killpg(0, signal.SIGKILL)
+def end_with_the_trainer(fd):
+    """In the reward process, before any reward code: a forked watcher that kills the process group once the
+    trainer's end of stdin closes (it ended, however). A thread would make every later fork (a pool) a risk."""
+    if os.fork() == 0:
+        os.close(fd)  # the trainer's connection: its end is seen to close when the reward process ends
+        os.read(0, 1)
+        os.killpg(0, signal.SIGKILL)
 
 
 def serve_rewards(fd):
     """The reward process: loads the function, says whether it could, then answers each (texts, answers) sent."""
-    threading.Thread(target=end_with_the_trainer, daemon=True).start()
+    end_with_the_trainer(fd)
     connection = multiprocessing.connection.Connection(fd)
     search_path, spec = connection.recv()
     sys.path[:] = search_path  # the trainer's: its modules found as they would be there
@@ -1681,9 +1685,11 @@ def serve_rewards(fd):
 def first_rule_failure(score, failures, several):
     """Why the first response whose score (B,) failed did: the first rule of failures (--reward_fn, its scores, why)
     that failed on it, named when there are several rules; None when none did (a reward model's score)."""
-    first = (~torch.isfinite(score)).nonzero()[:1, 0]  # () or (1,)
+    bad = (~torch.isfinite(score)).nonzero()
+    if len(bad) == 0:
+        return None
     for spec, scores, reason in failures:
-        if not scores[first].isfinite().all():
+        if not math.isfinite(scores[bad[0, 0]]):
             if several:
                 return f"{reason} (--reward_fn {spec})"
             return reason

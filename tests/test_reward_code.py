@@ -79,6 +79,10 @@ def own_alarm(responses, answers):
     time.sleep(120)
 
 
+def crashes(responses, answers):  # as a C extension's crash or an os._exit() would
+    os._exit(3)
+
+
 def where(responses, answers):  # the process it runs in: its threads, the trainer's torch, the default SIGTERM
     return [threading.active_count(), "torch" in sys.modules, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL]
 """
@@ -111,8 +115,9 @@ TIMED_OUT = "an error (TimeoutError: no answer within --reward_timeout 1 s)"
         ("forgiving", TIMED_OUT),  # before: the zeros it returned were trained on
         ("lazy", TIMED_OUT),  # before: the generator was read after the alarm was off: the call took 120 s
         ("own_alarm", "an error (OwnLimit: the grader's own 50 ms limit)"),  # before: its handler was replaced
+        ("crashes", "an error (the process running it ended (exit code 3))"),  # before: the trainer ended with it
     ],
-    ids=["shell", "popen", "threads", "forgiving", "lazy", "own_alarm"],
+    ids=["shell", "popen", "threads", "forgiving", "lazy", "own_alarm", "crashes"],
 )
 def test_a_reward_call_ends_within_its_timeout_with_everything_it_started(graders, name, why):
     threads_before = threading.active_count()
@@ -168,13 +173,13 @@ def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_ha
     trainer's SIGTERM handler until an at-fork hook put the default back: a worker not yet run when the pool ended
     swallowed the pool's SIGTERM, and Pool.__exit__ waited for it forever (2 of 25 runs, on a loaded machine); a
     fork also copies locks the trainer's other threads hold. The grader runs in a fresh interpreter: no torch, the
-    default SIGTERM, and one other thread, which waits in a system call holding no lock."""
+    default SIGTERM, and no other thread (what waits for the trainer's end is a process of its own)."""
     ppo.catch_stop_signals()  # the trainer's handlers
     other_thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # the trainer has other threads
     other_thread.start()
     assert "torch" in sys.modules
     scores = ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where"), ["a", "b", "c"], [1, 2, 3], 10)
-    assert scores == ([2.0, 0.0, 1.0], None)
+    assert scores == ([1.0, 0.0, 1.0], None)
 
 
 def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_pools(tmp_path):

@@ -39,8 +39,8 @@ MAX_LINE = 120
 # one to a line, and the batching helpers moved below the banner to keep the loop before line 700), so that ceiling is
 # raised to what it needs; the next change that frees lines lowers it again. Running each --reward_fn of the user's in a
 # process of its own that a timeout or a stop kills whole (RewardProcess and the five functions shipped to it, in place
-# of the SIGALRM timer) takes 144 more.
-LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 700, 900, 250, 1795, 3
+# of the SIGALRM timer) takes 154 more.
+LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 700, 900, 250, 1805, 3
 DIFF_LINES = {("ppo.py", "grpo.py"): 600, ("grpo.py", "rloo.py"): 220}
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
