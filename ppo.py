@@ -34,7 +34,7 @@ import inspect
 import itertools
 import json
 import math
-import multiprocessing
+import multiprocessing.connection
 import os
 import pathlib
 import pkgutil
@@ -43,6 +43,7 @@ import shlex
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -460,7 +461,7 @@ def head_outputs(model, input_ids, attention_mask):
 @dataclass
 class Scorer:
     """What scores a response: the reward models, each with its own tokenizer (None where it reads the policy's
-    tokens), the rules as (name, function), and the policy's tokenizer, which decodes the responses for the rules."""
+    tokens), the rules as (--reward_fn, its function or process), and the policy's tokenizer that decodes them."""
 
     reward_models: list
     reward_fns: list
@@ -499,20 +500,19 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
             )  # (B, 1)
             rm_scores.append(last_column[:, 0])
     rules = {}  # {name: (B,) its scores, nan where it failed}
-    why = None  # why the first rule that failed did
+    failures = []  # (--reward_fn, its scores, why) of each rule that failed
     answers = [row.get(args.answer_field) for row in rows]
-    for name, fn in scorer.reward_fns:
-        scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout)
-        rules[name] = torch.tensor(scores, device=input_ids.device)
-        if why is None and reason is not None:
-            why = reason
-            if len(scorer.reward_fns) > 1:
-                why = f"{reason} (--reward_fn {name})"
+    for spec, fn in scorer.reward_fns:
+        scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
+        rules[spec.rpartition(":")[2]] = torch.tensor(scores, device=input_ids.device)
+        if reason is not None:
+            failures.append((spec, scores, reason))
     rule_reward = None  # (B,) the rules' weighted sum
     if rules:
         weights = args.reward_weights or [1.0] * len(rules)
         rule_reward = functools.reduce(torch.add, [w * x for w, x in zip(weights, rules.values())])
     score = combine_scores(rm_scores, rule_reward)
+    why = first_rule_failure(score, failures, several=len(rules) > 1)
     prompt_ids = input_ids[:, :P]
     score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
     metrics = {}
@@ -953,7 +953,7 @@ def load_task(args, device):
     elif args.eval_every:
         message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
         warnings.warn(message, stacklevel=2)
-    reward_fns = [(spec.rpartition(":")[2], load_reward_fn(spec)) for spec in args.reward_fn]  # (name, function)
+    reward_fns = [(spec, load_reward_fn(spec)) for spec in args.reward_fn]  # (spec, function or RewardProcess)
     return tokenizer, prompts, rows, held_out, sampling, reward_fns
 
 
@@ -1579,7 +1579,7 @@ def replace_failed_scores(score, why, texts, tokenizer, prompt_ids, args, stops)
     """Scores (B,) that are not finite: a reason to stop (in stops; none given: raised), or with --on_reward_error
     penalty put below the batch's lowest. why says what failed (None: a score is not finite). Returns (B,), count."""
     bad = ~torch.isfinite(score)
-    if not bad.any():
+    if not bad.any() or any(isinstance(r, int) for r in stops or ()):  # after a stop signal the batch goes unused
         return score, 0
     if why is None:
         why = "not a finite number"
@@ -1629,7 +1629,8 @@ REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
 def load_reward_fn(spec):
-    """A --reward_fn: a built-in, file.py:function or module:function, fn(texts, answers) -> a float each."""
+    """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function,
+    fn(texts, answers) -> a float each, loaded in a RewardProcess of its own."""
     if spec in REWARD_FNS:
         return REWARD_FNS[spec]
     where, _, name = spec.rpartition(":")
@@ -1638,99 +1639,247 @@ def load_reward_fn(spec):
             f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
             "path/to/file.py:function or package.module:function."
         )
-    error = None
+    return reward_process(spec)
+
+
+@functools.cache  # one process per function: the argument check starts it, the run uses it
+def reward_process(spec):
+    """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process:
+    every one stops, rank 0 says it)."""
+    process = RewardProcess(spec)
+    errors = [e for e in all_processes(process.start()) if e]
+    if errors:
+        raise SystemExit(errors[0])
+    return process
+
+
+class RewardProcess:
+    """Your --reward_fn, run in a fresh interpreter (never a fork of this one, whose other threads may hold locks) in
+    a process group of its own, that a timeout or a stop kills whole, with whatever the function started; started
+    again at the next call. It ends with the trainer."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.process = None
+        self.connection = None
+
+    def start(self):
+        """Starts the process and loads the function there: None, or the one sentence that says why it cannot."""
+        ours, theirs = multiprocessing.Pipe()
+        shipped = (reward_module, resolve_reward_fn, reward_reply, end_with_the_trainer, serve_rewards)
+        code = "\n".join(
+            [REWARD_PROCESS_IMPORTS, *map(inspect.getsource, shipped), f"serve_rewards({theirs.fileno()})"]
+        )
+        command = [sys.executable, "-u", "-c", code]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], start_new_session=True
+        )
+        theirs.close()
+        self.connection = ours
+        ours.send((sys.path, self.spec))
+        try:
+            error = ours.recv()
+        except EOFError:  # os._exit() at import, a crash
+            error = f"--reward_fn {self.spec}: the process loading it ended (exit code {self.process.wait()}); fix it."
+        if error:
+            self.kill()
+        return error
+
+    def call(self, texts, answers, timeout, stops):
+        """reward_reply's answer from the process, or ("timeout", why) after timeout seconds (0: no limit), or
+        ("stopped", None) as soon as stops holds a signal: then the process group is killed."""
+        if stops and any(isinstance(r, int) for r in stops):  # the run is stopping: no call begins
+            return "stopped", None
+        if self.process is None:
+            error = self.start()
+            if error:
+                return "raised", error
+        try:
+            self.connection.send((texts, answers))
+        except BrokenPipeError:  # it ended since the last call (killed from outside)
+            return "raised", f"the process running it ended (exit code {self.kill()})"
+        end = time.monotonic() + timeout
+        while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
+            if stops and any(isinstance(r, int) for r in stops):
+                self.kill()
+                return "stopped", None
+            if timeout and time.monotonic() > end:
+                self.kill()
+                return "timeout", f"no answer within --reward_timeout {timeout:g} s"
+        try:
+            return self.connection.recv()
+        except EOFError:  # os._exit() in the function, a crash, a kill from outside
+            return "raised", f"the process running it ended (exit code {self.kill()})"
+
+    def kill(self):
+        """Kills the process group: the process and what its function started (unless that left the group)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # every member had ended
+            pass
+        code = self.process.wait()
+        self.process.stdin.close()
+        self.connection.close()
+        self.process = None
+        return code
+
+
+REWARD_PROCESS_IMPORTS = (
+    "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
+)
+
+
+def reward_module(path):
+    """In the reward process: a user's reward file as a module named after its stem and resolved path, so that it
+    shadows nothing (a math.py, two grader.py); in sys.modules for a forked pool, its folder last on sys.path."""
+    resolved = os.path.realpath(path)
+    name = f"{pathlib.Path(path).stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:12]}"
+    sys.path.append(os.path.dirname(resolved))  # for the modules beside it
+    found = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module
+    found.loader.exec_module(module)
+    return module
+
+
+def resolve_reward_fn(spec):
+    """In the reward process: (the function spec names, None), or (None, the one sentence that says why not)."""
+    where, _, name = spec.rpartition(":")
     try:
         if where.endswith(".py"):
             module = reward_module(where)
         else:
             module = pkgutil.resolve_name(where)
     except BaseException as e:  # sys.exit() at import too
-        error = (
+        return None, (
             f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the "
             "module's name and that it is importable from here."
         )
-    errors = [e for e in all_processes(error) if e]  # on any process: every one stops, rank 0 says it
-    if errors:
-        raise SystemExit(errors[0])
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise SystemExit(f"--reward_fn {spec}: '{where}' has no function '{name}'; name one it defines.")
+        return None, f"--reward_fn {spec}: '{where}' has no function '{name}'; name one it defines."
     try:
         inspect.signature(fn).bind(["a response"], ["its answer"])
     except TypeError:
-        raise SystemExit(
-            f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, "
-            "answers); it must take the response texts and their answers and return a score each."
-        ) from None
+        return None, (
+            f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, answers); it "
+            "must take the response texts and their answers and return a score each."
+        )
     except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
         pass
-    return fn
+    return fn, None
 
 
-@functools.cache  # a user's file is run once, when the arguments are checked, and the same module used after
-def reward_module(path):
-    """A user's reward file as a module: in sys.modules (a process pool pickles it), its folder on sys.path."""
-    sys.path.append(os.path.dirname(os.path.abspath(path)))
-    found = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
-    module = importlib.util.module_from_spec(found)
-    sys.modules[found.name] = module
-    found.loader.exec_module(module)
-    return module
-
-
-def call_with_alarm(timeout, fn, *inputs):
-    """fn(*inputs), interrupted by a TimeoutError every timeout seconds until it ends (SIGALRM: Unix, main thread)."""
-
-    def ring(signum, frame):  # the call's worker processes, hung, end with it
-        for child in multiprocessing.active_children():
-            child.kill()
-        raise TimeoutError(f"no answer within --reward_timeout {timeout:g} s")
-
-    signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, timeout, timeout)  # again and again: a pool's shutdown may wait too
+def reward_reply(fn, texts, answers):
+    """fn(texts, answers) as ("scores", a float or None each: a generator consumed here), ("returned", the type's
+    name) when that is not a sequence of scores, or ("raised", "Type: message")."""
     try:
-        return fn(*inputs)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        got = fn(list(texts), list(answers))  # copies: it may change them
+        if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):
+            return "returned", type(got).__name__
+        scores = []
+        for x in got:
+            if x is None:
+                scores.append(None)
+            else:
+                scores.append(float(x))
+        return "scores", scores
+    except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
+        return "raised", f"{type(e).__name__}: {e}"
 
 
-def call_reward_fn(reward_fn, texts, answers, timeout):
+def end_with_the_trainer(fd):
+    """In the reward process, before any reward code: a forked watcher that kills the process group once the
+    trainer's end of stdin closes (it ended, however). A thread would make every later fork (a pool) a risk."""
+    if os.fork() == 0:
+        os.close(fd)  # the trainer's connection: its end is seen to close when the reward process ends
+        os.read(0, 1)
+        os.killpg(0, signal.SIGKILL)
+
+
+def serve_rewards(fd):
+    """The reward process: loads the function, says whether it could, then answers each (texts, answers) sent."""
+    end_with_the_trainer(fd)
+    connection = multiprocessing.connection.Connection(fd)
+    search_path, spec = connection.recv()
+    sys.path[:] = search_path  # the trainer's: its modules found as they would be there
+    fn, error = resolve_reward_fn(spec)
+    connection.send(error)
+    while fn is not None:
+        try:
+            texts, answers = connection.recv()
+        except EOFError:  # the trainer ended
+            return
+        connection.send(reward_reply(fn, texts, answers))
+
+
+def first_rule_failure(score, failures, several):
+    """Why the first response whose score (B,) failed did: the first rule of failures (--reward_fn, its scores, why)
+    that failed on it, named when there are several rules; None when none did (a reward model's score)."""
+    bad = (~torch.isfinite(score)).nonzero()
+    if len(bad) == 0:
+        return None
+    for spec, scores, reason in failures:
+        if not math.isfinite(scores[bad[0, 0]]):
+            if several:
+                return f"{reason} (--reward_fn {spec})"
+            return reason
+    return None
+
+
+def reward_call(reward_fn, texts, answers, timeout, stops):
+    """reward_reply's answer: a built-in rule's from here, yours from its RewardProcess."""
+    if isinstance(reward_fn, RewardProcess):
+        return reward_fn.call(texts, answers, timeout, stops)
+    return reward_reply(reward_fn, texts, answers)
+
+
+def call_reward_fn(reward_fn, texts, answers, timeout, stops=None):
     """A rule's scores, nan where it gave none, and why it failed (None when nothing did). When the batch's call
     raises, each response is scored alone, so that the error is pinned on one."""
     failed = [float("nan")] * len(texts)
-    try:
-        got = call_with_alarm(timeout, reward_fn, list(texts), list(answers))  # copies in: it may change them
-        if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):  # one float per response, nothing else
-            return failed, f"nan: the batch's call returned a {type(got).__name__} for {len(texts)} responses"
-        listed = list(got)
-        if len(listed) != len(texts):
-            return failed, f"nan: the batch's call returned {len(listed)} scores for {len(texts)} responses"
-        scores = [float(x) for x in listed]
-    except TimeoutError as e:  # each response alone could hang as long
-        return failed, f"an error (TimeoutError: {e})"
-    except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
-        return score_each_alone(reward_fn, texts, answers, timeout, f"{type(e).__name__}: {e}")
-    large = [x for x in scores if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
+    kind, got = reward_call(reward_fn, texts, answers, timeout, stops)
+    if kind == "stopped":
+        return failed, "stopped by a signal"
+    if kind == "timeout":  # each response alone could hang as long
+        return failed, f"an error (TimeoutError: {got})"
+    if kind == "raised":
+        return score_each_alone(reward_fn, texts, answers, timeout, got, stops)
+    if kind == "returned":  # one float per response, nothing else
+        return failed, f"nan: the batch's call returned a {got} for {len(texts)} responses"
+    if len(got) != len(texts):
+        return failed, f"nan: the batch's call returned {len(got)} scores for {len(texts)} responses"
+    if None in got:  # TRL's "does not apply" is not taken: every response needs a score
+        scores = [float("nan") if x is None else x for x in got]
+        return scores, "None (TRL's 'does not apply' is not taken here: return a float for every response)"
+    large = [x for x in got if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
     if large:
-        return scores, f"{large[0]:g}, past float32's range"
-    if not all(math.isfinite(x) for x in scores):
-        return scores, "not a finite number"
-    return scores, None
+        return got, f"{large[0]:g}, past float32's range"
+    if not all(math.isfinite(x) for x in got):
+        return got, "not a finite number"
+    return got, None
 
 
-def score_each_alone(reward_fn, texts, answers, timeout, batch_error):
+def score_each_alone(reward_fn, texts, answers, timeout, batch_error, stops):
     """call_reward_fn's scores and reason when the batch's call raised batch_error: each response alone, until the
-    first that times out (the rest could hang as long)."""
+    first that times out (the rest could hang as long) or a stop."""
     scores = [float("nan")] * len(texts)
     errors = []
     for i, (text, answer) in enumerate(zip(texts, answers)):
-        try:
-            (score,) = call_with_alarm(timeout, reward_fn, [text], [answer])  # exactly one, or a ValueError
-            scores[i] = float(score)
-        except BaseException as e:
-            errors.append(f"an error ({type(e).__name__}: {e})")
-            if isinstance(e, TimeoutError):
-                break
+        kind, got = reward_call(reward_fn, [text], [answer], timeout, stops)
+        if kind == "scores" and len(got) == 1 and got[0] is not None:
+            scores[i] = got[0]
+        elif kind == "raised":
+            errors.append(f"an error ({got})")
+        elif kind == "timeout":
+            errors.append(f"an error (TimeoutError: {got})")
+            break
+        elif kind == "stopped":
+            return scores, "stopped by a signal"
+        elif kind == "returned":
+            errors.append(f"nan: its call alone returned a {got}")
+        else:
+            errors.append(f"nan: its call alone returned {got}")
     if errors:
         return scores, errors[0]
     reason = (
@@ -1787,7 +1936,8 @@ def evaluate(policy, scorer, sampling, held_out, args, stops, state):
                 score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops).raw
             )
         result[name] = masked_mean(torch.cat(scores), counted).item()
-    state["eval_due"] = any(isinstance(r, str) for r in stops)  # a reward failed: the resumed run evaluates again
+    # a reward failed, or a stop left a call unanswered (nan): the resumed run evaluates again
+    state["eval_due"] = any(isinstance(r, str) for r in stops) or not all(map(math.isfinite, result.values()))
     if state["eval_due"]:
         return {}
     return result
@@ -1812,7 +1962,9 @@ def check_common_args(args, responses_per_iteration):
         )
     require(args, [f.name for f in fields(args) if f.type is float], "must be finite", math.isfinite)
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
-    require(args, ("eval_every", "save_every", "reward_timeout"), "must be 0 (never) or more", lambda v: v >= 0)
+    require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
+    timeout_range = "must be 0 (no limit) or from 0.1 s (how often a call is checked) to 1e6 s"
+    require(args, ("reward_timeout",), timeout_range, lambda v: v == 0 or 0.1 <= v <= 1e6)
     require(
         args,
         (
@@ -1881,8 +2033,10 @@ def check_common_args(args, responses_per_iteration):
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
     if any(spec.lower() == "none" for spec in args.reward_fn):  # what meant no rule before several could be named
         raise SystemExit("--reward_fn None is no rule's name: pass --reward_fn with nothing after it for no rule.")
+    require(args, ("reward_fn",), "must name each function once", lambda v: len(set(v)) == len(v))
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
-    require(args, ("reward_fn",), "must name each function once", lambda v: len(set(names)) == len(names))
+    same_name = "gives two functions one name, and each logs its scores as reward/<name>; rename one"
+    require(args, ("reward_fn",), same_name, lambda v: len(set(names)) == len(names))
     require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
     most = torch.finfo(torch.float32).max  # the weights multiply float32 scores
     require(

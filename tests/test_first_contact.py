@@ -167,7 +167,7 @@ def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
     (tmp_path / "rules_pkg" / "arith.py").write_text(SAME_AS_ARITHMETIC)
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = grpo.load_reward_fn("rules_pkg.arith:exact")
-    assert fn(["12", " 7 ", "x"], ["12", "8", "x"]) == [1.0, 0.0, 1.0]
+    assert grpo.call_reward_fn(fn, ["12", " 7 ", "x"], ["12", "8", "x"], 10) == ([1.0, 0.0, 1.0], None)
 
 
 def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
@@ -179,8 +179,8 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
     correct = grpo.load_reward_fn(f"{path}:correct")
     bare_number = grpo.load_reward_fn(f"{path}:bare_number")
     # by hand: correct and well formed, well formed but wrong, neither
-    assert correct(["12", "13", "twelve"], ["12", "12", "12"]) == [1.0, 0.0, 0.0]
-    assert bare_number(["12", "13", "twelve"], ["12", "12", "12"]) == [1.0, 1.0, 0.0]
+    assert grpo.call_reward_fn(correct, ["12", "13", "twelve"], ["12", "12", "12"], 10) == ([1.0, 0.0, 0.0], None)
+    assert grpo.call_reward_fn(bare_number, ["12", "13", "twelve"], ["12"] * 3, 10) == ([1.0, 1.0, 0.0], None)
     argv = [a.replace("my_reward.py:", f"{path}:") for a in command.split()[2:]]
     rows, _ = run_script(
         "grpo.py",

@@ -342,8 +342,9 @@ PROMPTS = ["what is 2+3?", "what is 7+1?", "what is 4+4?", "what is 9+0?"]
 RESPONSES = ["5", "8", "nine", "9"]
 
 
-def scored(fn, on_reward_error="stop", penalty=1.0):
-    """score_responses on four known prompts and responses with a rule reward and no reward model."""
+def scored(fn, on_reward_error="stop", penalty=1.0, more=()):
+    """score_responses on four known prompts and responses with a rule reward (and more (--reward_fn, function)
+    pairs) and no reward model."""
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
     encode = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
     prompt_ids, prompt_mask = ppo.left_pad(encode, tokenizer.pad_token_id, "cpu")
@@ -353,7 +354,7 @@ def scored(fn, on_reward_error="stop", penalty=1.0):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
     return ppo.score_responses(
-        ppo.Scorer([], [("fn", fn)], tokenizer),
+        ppo.Scorer([], [("fn", fn), *more], tokenizer),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],

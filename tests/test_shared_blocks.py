@@ -42,11 +42,13 @@ MAX_LINE = 120
 # (cells of a .csv as text, the standard library's decompressors, parquet through pyarrow) rather than through
 # datasets' cache and patterns, the lock taken before a resume reads the folder, more options checked, the
 # collectives' timeout (collective_timeout), the rotary hook of --mixed_precision, a failed capture's stream
-# restored, and join_rounds (dynamic sampling's rounds padded into one): 1,779 lines. DAPO's parts and dual clip
-# raised three more to what they need: the loop by 730 (their three arguments, the dual-clip bound and the overlong
-# punishment, 29 lines of algorithm above ppo.py's main), main by line 942 and 252 lines long (rloo.py: dynamic
-# sampling's rounds and the rollout they keep, 52 lines of steps 1-3).
-LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 733, 945, 255, 1779, 3
+# restored, join_rounds (dynamic sampling's rounds padded into one), and each --reward_fn of the user's run in a
+# process of its own that a timeout or a stop kills whole (RewardProcess and the five functions shipped to it, in
+# place of the SIGALRM timer, 154 lines): 1,933 lines. DAPO's parts and dual clip raised three more to what they
+# need: the loop by 733 (their three arguments, the dual-clip bound and the overlong punishment, 29 lines of algorithm
+# above ppo.py's main), main by line 945 and 255 lines long (rloo.py: dynamic sampling's rounds and the rollout they
+# keep, 52 lines of steps 1-3).
+LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 733, 945, 255, 1933, 3
 DIFF_LINES = {("ppo.py", "grpo.py"): 600, ("grpo.py", "rloo.py"): 220}
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
