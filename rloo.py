@@ -282,11 +282,6 @@ def masked_mean(x, mask):
     return (s / n.clamp(min=1)).to(x.dtype)
 
 
-def global_mean(x):
-    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
-    return masked_mean(x.float(), torch.ones_like(x).float()).item()
-
-
 def masked_var(x, mask):
     """Biased variance of x over valid entries of the whole (global) batch: a 0-d tensor."""
     mean = masked_mean(x, mask)
@@ -456,11 +451,6 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
 
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
 # >>> shared: forward passes
-def position_ids_from(attention_mask):
-    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
 def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
     """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
     0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
@@ -477,20 +467,6 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
         logprobs, entropy = out
         return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
     return torch.where(valid, out, 0.0)
-
-
-def head_outputs(model, input_ids, attention_mask):
-    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
-    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
-    kept = []
-
-    def keep(module, inputs, output):
-        kept.append(output)
-
-    hook = model.score.register_forward_hook(keep)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
-    hook.remove()
-    return kept[0].squeeze(-1).float()  # (B, L)
 
 
 @dataclass
@@ -580,18 +556,6 @@ def sample_token(logits, uniforms, temperature):
     else:  # (B,) the first token whose cumulative probability passes the row's uniform
         token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
     return token, token_logprobs(logits, token, temperature, check_range=False)  # drawn here: in range, no host sync
-
-
-@dataclass
-class Sampling:
-    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
-    that fills a row after its end, and the decode loop (--decode)."""
-
-    max_new_tokens: int
-    temperature: float
-    stop_ids: torch.Tensor
-    pad_token_id: int
-    decode: str = "dynamic"
 
 
 @torch.no_grad()
@@ -973,6 +937,18 @@ def collective_timeout(args):
     return datetime.timedelta(seconds=2 * args.reward_timeout + CHECKPOINT_S)
 
 
+@dataclass
+class Sampling:
+    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
+    that fills a row after its end, and the decode loop (--decode)."""
+
+    max_new_tokens: int
+    temperature: float
+    stop_ids: torch.Tensor
+    pad_token_id: int
+    decode: str = "dynamic"
+
+
 def load_task(args, device):
     """The tokenizer, prompts and rows, held-out (prompts, rows), how to sample and the rules, before any model."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
@@ -1203,7 +1179,7 @@ def gather_rows(tensors):
     return gathered
 
 
-# ---- batches: left padding, each process's draws, and micro-batches cut to the columns they use
+# ---- batches: left padding, each process's draws, micro-batches cut to the columns they use, position ids, heads
 def left_pad(sequences, pad_token_id, device, width=None):
     """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
     if width is None:
@@ -1273,6 +1249,25 @@ def in_chunks(forward, size, input_ids, attention_mask, P):
         chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
         out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
     return out
+
+
+def position_ids_from(attention_mask):
+    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def head_outputs(model, input_ids, attention_mask):
+    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
+    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
+    kept = []
+
+    def keep(module, inputs, output):
+        kept.append(output)
+
+    hook = model.score.register_forward_hook(keep)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    hook.remove()
+    return kept[0].squeeze(-1).float()  # (B, L)
 
 
 # ---- static cache and CUDA graphs
@@ -2444,6 +2439,11 @@ def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
     stats["ratio_max"] = max(stats["ratio_max"], (ratio * mask).max().item())
     if "first_ratio_dev" not in stats:  # ~0 unless logprobs_old went stale: a free sanity check
         stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
+
+
+def global_mean(x):
+    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
+    return masked_mean(x.float(), torch.ones_like(x).float()).item()
 
 
 def dashboard(stats, state, scores, rollout, clock, args):
