@@ -1175,6 +1175,20 @@ def join_rounds(rounds, pad_token_id):
     return joined
 
 
+def keep_rows_with_signal(rounds, scores, reward_failures, tokenizer, args, rank):
+    """--dynamic_sampling's rollout: of the rounds' rows, as many as one round draws, those of groups with signal
+    first in the order drawn; this process's slice of them, with its input_ids, attention_mask and Scores."""
+    drawn = join_rounds(rounds, tokenizer.pad_token_id)
+    order = (1 - drawn["signal"]).argsort(stable=True)[: len(rounds[0]["signal"])]  # with signal first
+    kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
+    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
+    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
+    kept["has_eos"] = kept["has_eos"].bool()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return kept, Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
+
+
 def row_uniforms(rng, rows, args, rank):
     """This process's rows of uniforms drawn for all: a response never depends on the number of processes."""
     return torch.rand(rows * args.world_size, args.response_length, generator=rng)[rank * rows : (rank + 1) * rows]

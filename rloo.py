@@ -740,24 +740,17 @@ def main(args):
             # <<< shared: dynamic sampling, a round
         if args.dynamic_sampling:
             # >>> shared: dynamic sampling, the rollout
-            # The first rollout_batch_size groups with signal in the order drawn (after max_sampling_rounds, those
-            # without fill the rest), the same on every process; each takes its slice.
-            drawn = join_rounds(drawn, tokenizer.pad_token_id)
-            order = (1 - drawn["signal"]).argsort(stable=True)[:responses_per_iteration]  # with signal first
-            kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+            # The first rollout_batch_size groups with signal in the order drawn (then those without); each its slice
+            kept, scores = keep_rows_with_signal(drawn, scores, reward_failures, tokenizer, args, rank)
             prompt_ids = kept["prompt_ids"]
-            prompt_mask = kept["prompt_mask"]
-            response_mask = kept["response_mask"]
-            responses = torch.where(response_mask.bool(), kept["response_ids"], tokenizer.pad_token_id)
             P = prompt_ids.shape[1]
-            input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
-            attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
+            input_ids = kept["input_ids"]
+            attention_mask = kept["attention_mask"]
+            response_mask = kept["response_mask"]
             logprobs_old = kept["logprobs_old"]
             train_mask = kept["train_mask"]
-            has_eos = kept["has_eos"].bool()
+            has_eos = kept["has_eos"]
             overlong = kept["overlong"]
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
             # <<< shared: dynamic sampling, the rollout
 
         with torch.no_grad():
@@ -872,22 +865,14 @@ def main(args):
             m["rollout/sampling_rounds"] = sampling_round
             m["rollout/groups_drawn"] = sampling_round * args.rollout_batch_size
             m["rollout/groups_kept"] = min(groups_with_signal, args.rollout_batch_size)
-        m.update(
-            {
-                "objective/group_reward_std": global_mean(group_std),
-                "adv/zero_signal_fraction": global_mean(zero_signal),
-                "adv/abs_mean": global_mean(advantages.abs()),
-                "objective/score_normalized": global_mean(score),
-            }
-        )
+        m["objective/group_reward_std"] = global_mean(group_std)
+        m["adv/zero_signal_fraction"] = global_mean(zero_signal)
+        m["adv/abs_mean"] = global_mean(advantages.abs())
+        m["objective/score_normalized"] = global_mean(score)
         if ref_policy is not None:  # the KL in nats per response, as in ppo.py
-            m.update(
-                {
-                    "objective/kl": global_mean(seq_kl),
-                    "objective/kl_coef": args.kl_coef,
-                    "objective/rlhf_reward": global_mean(scores.raw - args.kl_coef * seq_kl),
-                }
-            )
+            m["objective/kl"] = global_mean(seq_kl)
+            m["objective/kl_coef"] = args.kl_coef
+            m["objective/rlhf_reward"] = global_mean(scores.raw - args.kl_coef * seq_kl)
 
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
@@ -1213,6 +1198,20 @@ def join_rounds(rounds, pad_token_id):
                 parts.append(torch.nn.functional.pad(x, (0, gap), value=value))
         joined[key] = torch.cat(parts)
     return joined
+
+
+def keep_rows_with_signal(rounds, scores, reward_failures, tokenizer, args, rank):
+    """--dynamic_sampling's rollout: of the rounds' rows, as many as one round draws, those of groups with signal
+    first in the order drawn; this process's slice of them, with its input_ids, attention_mask and Scores."""
+    drawn = join_rounds(rounds, tokenizer.pad_token_id)
+    order = (1 - drawn["signal"]).argsort(stable=True)[: len(rounds[0]["signal"])]  # with signal first
+    kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
+    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
+    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
+    kept["has_eos"] = kept["has_eos"].bool()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return kept, Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
 
 
 def row_uniforms(rng, rows, args, rank):
