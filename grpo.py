@@ -284,11 +284,6 @@ def masked_mean(x, mask):
     return (s / n.clamp(min=1)).to(x.dtype)
 
 
-def global_mean(x):
-    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
-    return masked_mean(x.float(), torch.ones_like(x).float()).item()
-
-
 def masked_var(x, mask):
     """Biased variance of x over valid entries of the whole (global) batch: a 0-d tensor."""
     mean = masked_mean(x, mask)
@@ -432,11 +427,6 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
 
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
 # >>> shared: forward passes
-def position_ids_from(attention_mask):
-    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
 def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
     """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
     0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
@@ -453,20 +443,6 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
         logprobs, entropy = out
         return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
     return torch.where(valid, out, 0.0)
-
-
-def head_outputs(model, input_ids, attention_mask):
-    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
-    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
-    kept = []
-
-    def keep(module, inputs, output):
-        kept.append(output)
-
-    hook = model.score.register_forward_hook(keep)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
-    hook.remove()
-    return kept[0].squeeze(-1).float()  # (B, L)
 
 
 @dataclass
@@ -555,18 +531,6 @@ def sample_token(logits, uniforms, temperature):
     else:  # (B,) the first token whose cumulative probability passes the row's uniform
         token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
     return token, token_logprobs(logits, token, temperature, check_range=False)  # drawn here: in range, no host sync
-
-
-@dataclass
-class Sampling:
-    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
-    that fills a row after its end, and the decode loop (--decode)."""
-
-    max_new_tokens: int
-    temperature: float
-    stop_ids: torch.Tensor
-    pad_token_id: int
-    decode: str = "dynamic"
 
 
 @torch.no_grad()
@@ -750,24 +714,17 @@ def main(args):
             # <<< shared: dynamic sampling, a round
         if args.dynamic_sampling:
             # >>> shared: dynamic sampling, the rollout
-            # The first rollout_batch_size groups with signal in the order drawn (after max_sampling_rounds, those
-            # without fill the rest), the same on every process; each takes its slice.
-            drawn = join_rounds(drawn, tokenizer.pad_token_id)
-            order = (1 - drawn["signal"]).argsort(stable=True)[:responses_per_iteration]  # with signal first
-            kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+            # The first rollout_batch_size groups with signal in the order drawn (then those without); each its slice
+            kept, scores = keep_rows_with_signal(drawn, scores, reward_failures, tokenizer, args, rank)
             prompt_ids = kept["prompt_ids"]
-            prompt_mask = kept["prompt_mask"]
-            response_mask = kept["response_mask"]
-            responses = torch.where(response_mask.bool(), kept["response_ids"], tokenizer.pad_token_id)
             P = prompt_ids.shape[1]
-            input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
-            attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
+            input_ids = kept["input_ids"]
+            attention_mask = kept["attention_mask"]
+            response_mask = kept["response_mask"]
             logprobs_old = kept["logprobs_old"]
             train_mask = kept["train_mask"]
-            has_eos = kept["has_eos"].bool()
+            has_eos = kept["has_eos"]
             overlong = kept["overlong"]
-            texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-            scores = Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
             # <<< shared: dynamic sampling, the rollout
 
         with torch.no_grad():
@@ -873,13 +830,9 @@ def main(args):
             m["rollout/sampling_rounds"] = sampling_round
             m["rollout/groups_drawn"] = sampling_round * args.rollout_batch_size
             m["rollout/groups_kept"] = min(groups_with_signal, args.rollout_batch_size)
-        m.update(
-            {
-                "objective/group_reward_std": global_mean(group_std),
-                "adv/zero_signal_fraction": global_mean(zero_signal),
-                "adv/abs_mean": global_mean(advantages.abs()),
-            }
-        )
+        m["objective/group_reward_std"] = global_mean(group_std)
+        m["adv/zero_signal_fraction"] = global_mean(zero_signal)
+        m["adv/abs_mean"] = global_mean(advantages.abs())
         if ref_policy is not None:  # nats per response, as in ppo.py
             m["objective/kl"] = global_mean(((logprobs_old - logprobs_ref) * response_mask).sum(1))
             m["objective/kl_coef"] = args.kl_coef
@@ -930,6 +883,18 @@ def collective_timeout(args):
     if args.reward_timeout <= 0:  # a reward may take any time
         return datetime.timedelta(days=7)
     return datetime.timedelta(seconds=2 * args.reward_timeout + CHECKPOINT_S)
+
+
+@dataclass
+class Sampling:
+    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
+    that fills a row after its end, and the decode loop (--decode)."""
+
+    max_new_tokens: int
+    temperature: float
+    stop_ids: torch.Tensor
+    pad_token_id: int
+    decode: str = "dynamic"
 
 
 def load_task(args, device):
@@ -1162,7 +1127,7 @@ def gather_rows(tensors):
     return gathered
 
 
-# ---- batches: left padding, each process's draws, and micro-batches cut to the columns they use
+# ---- batches: left padding, each process's draws, micro-batches cut to the columns they use, position ids, heads
 def left_pad(sequences, pad_token_id, device, width=None):
     """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
     if width is None:
@@ -1196,6 +1161,20 @@ def join_rounds(rounds, pad_token_id):
                 parts.append(torch.nn.functional.pad(x, (0, gap), value=value))
         joined[key] = torch.cat(parts)
     return joined
+
+
+def keep_rows_with_signal(rounds, scores, reward_failures, tokenizer, args, rank):
+    """--dynamic_sampling's rollout: of the rounds' rows, as many as one round draws, those of groups with signal
+    first in the order drawn; this process's slice of them, with its input_ids, attention_mask and Scores."""
+    drawn = join_rounds(rounds, tokenizer.pad_token_id)
+    order = (1 - drawn["signal"]).argsort(stable=True)[: len(rounds[0]["signal"])]  # with signal first
+    kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
+    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
+    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
+    kept["has_eos"] = kept["has_eos"].bool()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return kept, Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
 
 
 def row_uniforms(rng, rows, args, rank):
@@ -1232,6 +1211,25 @@ def in_chunks(forward, size, input_ids, attention_mask, P):
         chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
         out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
     return out
+
+
+def position_ids_from(attention_mask):
+    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def head_outputs(model, input_ids, attention_mask):
+    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
+    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
+    kept = []
+
+    def keep(module, inputs, output):
+        kept.append(output)
+
+    hook = model.score.register_forward_hook(keep)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    hook.remove()
+    return kept[0].squeeze(-1).float()  # (B, L)
 
 
 # ---- static cache and CUDA graphs
@@ -2557,6 +2555,11 @@ def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
     stats["ratio_max"] = max(stats["ratio_max"], (ratio * mask).max().item())
     if "first_ratio_dev" not in stats:  # ~0 unless logprobs_old went stale: a free sanity check
         stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
+
+
+def global_mean(x):
+    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
+    return masked_mean(x.float(), torch.ones_like(x).float()).item()
 
 
 def dashboard(stats, state, scores, rollout, clock, args):

@@ -282,11 +282,6 @@ def masked_mean(x, mask):
     return (s / n.clamp(min=1)).to(x.dtype)
 
 
-def global_mean(x):
-    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
-    return masked_mean(x.float(), torch.ones_like(x).float()).item()
-
-
 def masked_var(x, mask):
     """Biased variance of x over valid entries of the whole (global) batch: a 0-d tensor."""
     mean = masked_mean(x, mask)
@@ -421,11 +416,6 @@ def normalize_scores(score, state, batch_count):
 
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
 # >>> shared: forward passes
-def position_ids_from(attention_mask):
-    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
 def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
     """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
     0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
@@ -442,20 +432,6 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
         logprobs, entropy = out
         return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
     return torch.where(valid, out, 0.0)
-
-
-def head_outputs(model, input_ids, attention_mask):
-    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
-    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
-    kept = []
-
-    def keep(module, inputs, output):
-        kept.append(output)
-
-    hook = model.score.register_forward_hook(keep)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
-    hook.remove()
-    return kept[0].squeeze(-1).float()  # (B, L)
 
 
 @dataclass
@@ -544,18 +520,6 @@ def sample_token(logits, uniforms, temperature):
     else:  # (B,) the first token whose cumulative probability passes the row's uniform
         token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
     return token, token_logprobs(logits, token, temperature, check_range=False)  # drawn here: in range, no host sync
-
-
-@dataclass
-class Sampling:
-    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
-    that fills a row after its end, and the decode loop (--decode)."""
-
-    max_new_tokens: int
-    temperature: float
-    stop_ids: torch.Tensor
-    pad_token_id: int
-    decode: str = "dynamic"
 
 
 @torch.no_grad()
@@ -933,6 +897,18 @@ def collective_timeout(args):
     return datetime.timedelta(seconds=2 * args.reward_timeout + CHECKPOINT_S)
 
 
+@dataclass
+class Sampling:
+    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
+    that fills a row after its end, and the decode loop (--decode)."""
+
+    max_new_tokens: int
+    temperature: float
+    stop_ids: torch.Tensor
+    pad_token_id: int
+    decode: str = "dynamic"
+
+
 def load_task(args, device):
     """The tokenizer, prompts and rows, held-out (prompts, rows), how to sample and the rules, before any model."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
@@ -1163,7 +1139,7 @@ def gather_rows(tensors):
     return gathered
 
 
-# ---- batches: left padding, each process's draws, and micro-batches cut to the columns they use
+# ---- batches: left padding, each process's draws, micro-batches cut to the columns they use, position ids, heads
 def left_pad(sequences, pad_token_id, device, width=None):
     """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
     if width is None:
@@ -1197,6 +1173,20 @@ def join_rounds(rounds, pad_token_id):
                 parts.append(torch.nn.functional.pad(x, (0, gap), value=value))
         joined[key] = torch.cat(parts)
     return joined
+
+
+def keep_rows_with_signal(rounds, scores, reward_failures, tokenizer, args, rank):
+    """--dynamic_sampling's rollout: of the rounds' rows, as many as one round draws, those of groups with signal
+    first in the order drawn; this process's slice of them, with its input_ids, attention_mask and Scores."""
+    drawn = join_rounds(rounds, tokenizer.pad_token_id)
+    order = (1 - drawn["signal"]).argsort(stable=True)[: len(rounds[0]["signal"])]  # with signal first
+    kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
+    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
+    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
+    kept["has_eos"] = kept["has_eos"].bool()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return kept, Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
 
 
 def row_uniforms(rng, rows, args, rank):
@@ -1233,6 +1223,25 @@ def in_chunks(forward, size, input_ids, attention_mask, P):
         chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
         out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
     return out
+
+
+def position_ids_from(attention_mask):
+    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def head_outputs(model, input_ids, attention_mask):
+    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
+    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
+    kept = []
+
+    def keep(module, inputs, output):
+        kept.append(output)
+
+    hook = model.score.register_forward_hook(keep)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    hook.remove()
+    return kept[0].squeeze(-1).float()  # (B, L)
 
 
 # ---- static cache and CUDA graphs
@@ -2558,6 +2567,11 @@ def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
     stats["ratio_max"] = max(stats["ratio_max"], (ratio * mask).max().item())
     if "first_ratio_dev" not in stats:  # ~0 unless logprobs_old went stale: a free sanity check
         stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
+
+
+def global_mean(x):
+    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
+    return masked_mean(x.float(), torch.ones_like(x).float()).item()
 
 
 def dashboard(stats, state, scores, rollout, clock, args):
