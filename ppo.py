@@ -1675,20 +1675,16 @@ class RewardProcess:
     def start(self):
         """Starts the process and loads the function there: None, or the one sentence that says why it cannot."""
         ours, theirs = multiprocessing.Pipe()
-        shipped = (reward_module, resolve_reward_fn, reward_reply, end_with_the_trainer, serve_rewards)
-        code = "\n".join(
-            [REWARD_PROCESS_IMPORTS, *map(inspect.getsource, shipped), f"serve_rewards({theirs.fileno()})"]
-        )
-        command = [sys.executable, "-u", "-c", code]
+        command = [sys.executable, "-u", "-c", f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"]
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], start_new_session=True
         )
         theirs.close()
         self.connection = ours
-        ours.send((sys.path, self.spec))
         try:
+            ours.send((sys.path, self.spec))
             error = ours.recv()
-        except EOFError:  # os._exit() at import, a crash
+        except (EOFError, OSError):  # os._exit() at import, a crash
             error = f"--reward_fn {self.spec}: the process loading it ended (exit code {self.process.wait()}); fix it."
         if error:
             self.kill()
@@ -1705,7 +1701,7 @@ class RewardProcess:
                 return "raised", error
         try:
             self.connection.send((texts, answers))
-        except BrokenPipeError:  # it ended since the last call (killed from outside)
+        except OSError:  # it ended since the last call (killed from outside): a broken pipe, a reset connection
             return "raised", f"the process running it ended (exit code {self.kill()})"
         end = time.monotonic() + timeout
         while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
@@ -1717,7 +1713,7 @@ class RewardProcess:
                 return "timeout", f"no answer within --reward_timeout {timeout:g} s"
         try:
             return self.connection.recv()
-        except EOFError:  # os._exit() in the function, a crash, a kill from outside
+        except (EOFError, OSError):  # os._exit() in the function, a crash, a kill from outside
             return "raised", f"the process running it ended (exit code {self.kill()})"
 
     def kill(self):
@@ -1731,6 +1727,13 @@ class RewardProcess:
         self.connection.close()
         self.process = None
         return code
+
+
+@functools.cache  # read once, at the checks: the file may be edited or replaced while the run goes on
+def reward_process_code():
+    """The reward process's program: the functions of this file that it runs, as they were when the run began."""
+    shipped = (reward_module, resolve_reward_fn, reward_reply, end_with_the_trainer, serve_rewards)
+    return "\n".join([REWARD_PROCESS_IMPORTS, *map(inspect.getsource, shipped)])
 
 
 REWARD_PROCESS_IMPORTS = (

@@ -4,7 +4,9 @@ write them (a shell command, a subprocess, a thread pool, a grader that catches 
 with its own alarm, a math.py, two grader.py) and is compared with what must happen: the call ends within its
 timeout, nothing it started is left, the failure is named as it happened, the scores are those of a plain loop."""
 
+import importlib.util
 import math
+import pathlib
 import re
 import signal
 import subprocess
@@ -180,6 +182,24 @@ def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_ha
     assert "torch" in sys.modules
     scores = ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where"), ["a", "b", "c"], [1, 2, 3], 10)
     assert scores == ([1.0, 0.0, 1.0], None)
+
+
+def test_a_reward_process_started_again_runs_the_code_the_run_began_with(graders, tmp_path):
+    """The reward process is sent this file's functions as source. After a timeout or a stop it is started again,
+    and by then the file may have been edited (a git pull during a long run): the program read from the file then, at
+    line numbers that no longer hold, did not compile, and the trainer died of the reset connection. It is read
+    once, when the run begins."""
+    copy = tmp_path / "trainer_copy.py"
+    copy.write_text((pathlib.Path(ROOT) / "ppo.py").read_text())
+    found = importlib.util.spec_from_file_location("trainer_copy", copy)
+    trainer = importlib.util.module_from_spec(found)
+    found.loader.exec_module(trainer)
+    reward_fn = trainer.load_reward_fn(f"{graders}:where")
+    first = trainer.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], 10)
+    copy.write_text("# edited while the run goes on\n" * 7 + copy.read_text())
+    reward_fn.kill()  # as a timeout or a stop does: the next call starts a new process
+    assert trainer.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], 10) == first == ([1.0, 0.0, 1.0], None)
+    reward_fn.kill()
 
 
 def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_pools(tmp_path):

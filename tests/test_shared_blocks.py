@@ -46,9 +46,9 @@ MAX_LINE = 120
 # plumbing below the banner: Sampling, position_ids_from, head_outputs and global_mean (36 lines), and
 # keep_rows_with_signal, the rollout that dynamic sampling keeps (14): 1,829 lines. Each --reward_fn of the user's
 # run in a process of its own that a timeout or a stop kills whole (RewardProcess and the five functions shipped to
-# it, in place of the SIGALRM timer) takes 154 more: 1,983 lines, raised to what they need; the next change that
+# it, in place of the SIGALRM timer) takes 157 more: 1,986 lines, raised to what they need; the next change that
 # frees lines lowers it again.
-LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 700, 900, 250, 1983, 3
+LOOP_BY, MAIN_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 700, 900, 250, 1986, 3
 DIFF_LINES = {("ppo.py", "grpo.py"): 600, ("grpo.py", "rloo.py"): 220}
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
