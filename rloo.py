@@ -237,7 +237,8 @@ class Args:
     on_reward_error: Literal["stop", "penalty"] = "stop"
     """a reward that raises or is not finite: stop, or score it --missing_eos_penalty below the batch minimum"""
     reward_timeout: float = 600.0
-    """seconds a --reward_fn call may take before it counts as a failed reward (a hung grader); 0: no limit"""
+    """seconds a call of your --reward_fn may take (0.1 to 1e6; 0: no limit): then its process is killed, with all it
+    started, and the call counts as a failed reward (a hung grader); SIGTERM or Ctrl-C ends a call at once"""
 
     # precision and memory
     mixed_precision: bool = False
@@ -916,7 +917,7 @@ CHECKPOINT_S = 1200  # the longest a checkpoint may take: a 7B PPO run's policy 
 def collective_timeout(args):
     """How long a process waits in a collective for the others: past the longest legitimate wait, twice
     --reward_timeout and a checkpoint. NCCL's own 10 minutes, the default --reward_timeout, would end the processes
-    waiting on a hung reward when its alarm rings, before the checkpoint."""
+    waiting on a hung reward just as its --reward_timeout ends the call, before the checkpoint."""
     if args.reward_timeout <= 0:  # a reward may take any time
         return datetime.timedelta(days=7)
     return datetime.timedelta(seconds=2 * args.reward_timeout + CHECKPOINT_S)
