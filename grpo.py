@@ -13,10 +13,10 @@ Where this file departs from the paper, and why:
   sequence_mean does; sequence_mean and Dr. GRPO's constant divisor (Liu et al. 2025, arXiv:2503.20783)
   are options, as is Dr. GRPO's unscaled advantage (--scale_rewards none).
 - Separate lower and upper clip ranges (DAPO's clip-higher), equal by default.
-- Groups whose responses all score the same teach nothing (every advantage is 0); their fraction is logged;
-  --drop_zero_signal_groups leaves them out of the loss, and --dynamic_sampling draws more prompts in rounds
-  until the batch is full of groups with signal (DAPO's dynamic sampling).
-- DAPO's soft overlong punishment and dual-clip PPO's bound are options (--overlong_buffer, --dual_clip).
+- Groups whose responses all score the same teach nothing (every advantage is 0); their fraction is logged,
+  and --drop_zero_signal_groups leaves them out of the loss. dapo.py draws more prompts instead (DAPO's dynamic
+  sampling), and adds the soft overlong punishment.
+- Dual-clip PPO's bound on a negative advantage's loss is an option (--dual_clip).
 - --policy_loss gspo (GSPO, Zheng et al. 2025: one clipped ratio per response) or cispo (MiniMax-M1's
   clipped, detached importance weight on every token's log pi) replaces the per-token clipped surrogate.
 - logprobs_old are recorded while sampling, as in ppo.py, and dropout stays off.
@@ -82,7 +82,6 @@ from transformers.cache_utils import DynamicCache, StaticCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging as hf_logging
 
-# >>> shared: running alone
 try:  # the fused log-softmax-gather of this file's repository (rlhf_kernels/): no float32 copy of the logits
     from rlhf_kernels import token_logprobs
 except ImportError:  # this file copied alone: the same log-probs from plain torch (start_processes says so)
@@ -96,7 +95,6 @@ except ImportError:  # this file copied alone: the same log-probs from plain tor
 
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")  # the embedded example, beside this file
-# <<< shared: running alone
 
 
 @dataclass
@@ -148,13 +146,7 @@ class Args:
     """the per-token KL estimate in the loss (see kl_penalty)"""
     drop_zero_signal_groups: bool = False
     """leave groups whose responses all scored the same out of the loss"""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: draw and sample prompts in rounds until the rollout holds --rollout_batch_size groups
-    whose scores differ (episodes count every response generated; --total_episodes, those trained on)"""
-    max_sampling_rounds: int = 8
-    """the most rounds of --dynamic_sampling in an iteration; then groups without signal fill the rollout"""
 
-    # >>> shared: arguments
     # the models and the data
     model_name_or_path: str = f"{ASSETS}/tiny-sft"
     """the starting policy (a causal LM); the frozen reference is a copy of it"""
@@ -190,11 +182,6 @@ class Args:
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     mask_truncated: bool = False
     """leave responses cut off at --response_length out of the loss (DAPO's overlong filtering), not penalised"""
-    overlong_buffer: int = 0
-    """DAPO's soft overlong punishment: over the last this many tokens before --response_length a response's score
-    falls linearly to -overlong_penalty; one cut off there gets -overlong_penalty (with --mask_truncated: nothing)"""
-    overlong_penalty: float = 0.0
-    """f, the soft overlong punishment at --response_length (DAPO: 1), added to --missing_eos_penalty; 0: off"""
     dual_clip: float = 0.0
     """dual-clip PPO's c > 1 (the paper: 3): a token with a negative advantage A loses at most -c A; 0: off"""
     max_grad_norm: float = 1.0
@@ -260,41 +247,27 @@ class Args:
     """the layers that get adapters: names such as q_proj v_proj, or all-linear (every linear layer but the head)"""
     save_adapters_only: bool = False
     """with LoRA: save only the adapters (peft's format) instead of the base with the adapters merged in"""
-    # <<< shared: arguments
 
-    # filled in at runtime
-    world_size: int = 1
-    """(computed at runtime from WORLD_SIZE; setting it has no effect) number of processes"""
-    num_iterations: int = 0
-    """(computed at runtime; setting it has no effect) total_episodes // (rollout_batch_size * num_generations)"""
+    # computed at runtime, not options
+    world_size: tyro.conf.Suppress[int] = 1
+    """number of processes, from WORLD_SIZE"""
+    num_iterations: tyro.conf.Suppress[int] = 0
+    """rollouts in the run: total_episodes // (rollout_batch_size * num_generations)"""
 
 
 # ---------------------------------- The math: small pure functions, tensors in and tensors out ------------------
-# >>> shared: batch statistics
-def masked_sum_count(x, mask):
-    """Sum of x over mask and the count of valid entries, over all processes: two 0-d float64 tensors."""
-    total = torch.stack([(x * mask).sum(), mask.sum()]).double()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(total)
-    return total[0], total[1]
-
-
 def masked_mean(x, mask):
-    """Mean of x over valid entries of the whole (global) batch: a 0-d tensor of x's dtype."""
-    s, n = masked_sum_count(x, mask)
-    return (s / n.clamp(min=1)).to(x.dtype)
+    """Mean of x over its valid entries (mask 1): a 0-d tensor of x's dtype. x and mask (B, ...) alike."""
+    total = torch.stack([(x * mask).sum(), mask.sum()]).double()  # summed in x's dtype, divided in float64
+    return (total[0] / total[1].clamp(min=1)).to(x.dtype)
 
 
 def masked_var(x, mask):
-    """Biased variance of x over valid entries of the whole (global) batch: a 0-d tensor."""
+    """Biased variance of x over its valid entries: a 0-d tensor."""
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
 
 
-# <<< shared: batch statistics
-
-
-# >>> shared: clipped surrogate
 def clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
     """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7):
     -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) with rho = exp(logp - logp_old). The min switches the gradient
@@ -317,27 +290,6 @@ def dual_clip_loss(loss, advantages, c):
     return torch.where(bounded, -c * advantages, loss), bounded.float()
 
 
-# <<< shared: clipped surrogate
-
-
-# >>> shared: overlong punishment
-def overlong_penalty(lengths, has_eos, args):
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13), each response's (B,): 0 up to the
-    last --overlong_buffer tokens before --response_length, then falling linearly to -f at it (f: --overlong_penalty);
-    -f when cut off there without a stop token, unless --mask_truncated leaves it out. lengths count the stop token."""
-    if not args.overlong_buffer:
-        return torch.zeros_like(lengths, dtype=torch.float)
-    over = ((lengths - args.response_length) / args.overlong_buffer + 1).clamp(0, 1)  # (B,) 0 to the buffer, 1 at L
-    penalty = -args.overlong_penalty * torch.where(has_eos, over, 1.0)
-    if args.mask_truncated:  # a cut-off response is left out of the loss, not punished
-        penalty = torch.where(has_eos, penalty, 0.0)
-    return penalty
-
-
-# <<< shared: overlong punishment
-
-
-# >>> shared: GSPO and CISPO
 def gspo_loss(logprobs, logprobs_old, advantages, mask, clip_low, clip_high):
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): one ratio per response, s = exp(mean over its tokens of
     log pi - log pi_old), in the clipped surrogate -min(s A, clip(s, 1-eps_low, 1+eps_high) A) on each of its tokens.
@@ -371,13 +323,10 @@ def policy_loss(kind, logprobs, logprobs_old, advantages, mask, clip_low, clip_h
     return clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high)
 
 
-# <<< shared: GSPO and CISPO
-
-
 def group_advantages(scores, group_size, scale_rewards, eps=1e-8):
     """GRPO's advantage of each response (Shao et al. 2024, eq. 3 with outcome rewards; its A_i):
-    A_i = (r_i - mean(r_group)) / std(r_group), the population std; 'batch' divides by the std of all scores in
-    the (global) batch instead, 'none' by nothing (Dr. GRPO: the std overweights prompts that are nearly solved
+    A_i = (r_i - mean(r_group)) / std(r_group), the population std; 'batch' divides by the std of all the scores
+    instead, 'none' by nothing (Dr. GRPO: the std overweights prompts that are nearly solved
     or nearly hopeless). scores (B,) hold consecutive groups of group_size. Returns (B,)."""
     grouped = scores.view(-1, group_size)  # (groups, G)
     centred = grouped - grouped.mean(1, keepdim=True)
@@ -391,7 +340,6 @@ def group_advantages(scores, group_size, scale_rewards, eps=1e-8):
     return centred.reshape(-1)
 
 
-# >>> shared: zero signal, KL estimators, loss weights
 def zero_signal_groups(scores, group_size):
     """Groups whose responses all scored the same (B / G,) bool: every advantage in them is 0, so they teach
     nothing. scores (B,) hold consecutive groups of group_size."""
@@ -423,11 +371,7 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
     return mask / (max(num_sequences, 1) * response_length)  # a constant divisor: no length bias (Dr. GRPO)
 
 
-# <<< shared: zero signal, KL estimators, loss weights
-
-
 # ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
-# >>> shared: forward passes
 def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
     """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
     0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
@@ -444,72 +388,6 @@ def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperat
         logprobs, entropy = out
         return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
     return torch.where(valid, out, 0.0)
-
-
-@dataclass
-class Scorer:
-    """What scores a response: the reward models, each with its own tokenizer (None where it reads the policy's
-    tokens), the rules as (--reward_fn, its function or process), and the policy's tokenizer that decodes them."""
-
-    reward_models: list
-    reward_fns: list
-    tokenizer: object
-
-
-@dataclass
-class Scores:
-    """What score_responses returns for a batch of B responses."""
-
-    raw: torch.Tensor  # (B,) the reward models' minimum plus the rules' weighted sum, failed rewards replaced
-    metrics: dict  # {metric key: (B,)} the rules' weighted sum, and each rule's scores when there are several
-    texts: list  # the responses as text
-    failed: int  # how many responses' rewards failed
-
-
-@torch.no_grad()
-def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None):
-    """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
-    plus the rules' weighted sum. A failed reward is a reason to stop (in stops), or replaced (--on_reward_error)."""
-    texts = scorer.tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
-    last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
-    size = args.micro_batch_size
-    rm_scores = []  # K x (B,)
-    for reward_model, own_tokenizer in scorer.reward_models:
-        if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
-            values = in_chunks(
-                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, p:], size, input_ids, attention_mask, P
-            )  # (B, T)
-            rm_scores.append(values[torch.arange(len(texts)), last])
-        else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
-            prompts = [row[args.prompt_field] for row in rows]
-            ids, mask = reward_model_inputs(own_tokenizer, prompts, texts, input_ids.device)
-            last_column = in_chunks(
-                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, -1:], size, ids, mask, ids.shape[1] - 1
-            )  # (B, 1)
-            rm_scores.append(last_column[:, 0])
-    rules = {}  # {name: (B,) its scores, nan where it failed}
-    failures = []  # (--reward_fn, its scores, why) of each rule that failed
-    answers = [row.get(args.answer_field) for row in rows]
-    for spec, fn in scorer.reward_fns:
-        scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
-        rules[spec.rpartition(":")[2]] = torch.tensor(scores, device=input_ids.device)
-        if reason is not None:
-            failures.append((spec, scores, reason))
-    rule_reward = None  # (B,) the rules' weighted sum
-    if rules:
-        weights = args.reward_weights or [1.0] * len(rules)
-        rule_reward = functools.reduce(torch.add, [w * x for w, x in zip(weights, rules.values())])
-    score = combine_scores(rm_scores, rule_reward)
-    why = first_rule_failure(score, failures, several=len(rules) > 1)
-    prompt_ids = input_ids[:, :P]
-    score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
-    metrics = {}
-    if rules:
-        metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
-    if len(rules) > 1:
-        for name, x in rules.items():
-            metrics[f"reward/{name}"] = x.nan_to_num(0.0)
-    return Scores(score, metrics, texts, failed)
 
 
 def combine_scores(rm_scores, rule_reward=None):
@@ -585,9 +463,6 @@ def generate(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
 
 
-# <<< shared: forward passes
-
-
 def build_models(args, tokenizer, device):
     """Load the policy, its frozen reference and the reward models, in eval mode (no dropout). With
     --kl_coef 0 nothing reads the reference, so it is not loaded at all."""
@@ -602,7 +477,6 @@ def validate(args):
     require(args, ("num_generations",), "must be at least 2 (the others are each one's baseline)", lambda v: v >= 2)
     require(args, ("learning_rate", "clip_range_low", "clip_range_high"), "must be positive", lambda v: v > 0)
     require(args, ("kl_coef",), "must be zero or more", lambda v: v >= 0)
-    require(args, ("max_sampling_rounds",), "must be at least 1", lambda v: v >= 1)
     if args.dual_clip and args.policy_loss != "clip":
         raise SystemExit(
             f"--dual_clip bounds the clipped loss of a token's ratio; --policy_loss {args.policy_loss} has "
@@ -614,7 +488,7 @@ def validate(args):
 # What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
 PRINTED = [
     ("score", "objective/score", "+.3f"),
-    ("acc", "objective/accuracy", ".3f"),
+    ("rule", "objective/rule_reward", ".3f"),
     ("kl", "objective/kl", ".2f"),
     ("len", "response/length", ".1f"),
     ("eos", "response/eos_rate", ".2f"),
@@ -622,8 +496,6 @@ PRINTED = [
     ("ent", "policy/entropy", ".2f"),
     ("clip", "policy/clipfrac", ".3f"),
     ("zero-signal", "adv/zero_signal_fraction", ".2f"),
-    ("rounds", "rollout/sampling_rounds", "d"),
-    ("groups with signal", "rollout/groups_kept", "d"),
     ("held-out", "eval/score", "+.3f"),
 ]
 
@@ -652,89 +524,39 @@ def main(args):
     # >>> shared: outputs and the starting policy's held-out score
     log = Log(args, state, rank, tokenizer)
     stops = catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
-    if held_out[0]:  # iteration 0's evaluation, or one that a failed reward left to the resumed run
-        state.setdefault("eval_due", not args.resume)
-    if state.get("eval_due"):
-        log.evaluation(evaluate(policy, scorer, sampling, held_out, args, stops, state), state)
-        save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device)
-        if args.resume and state["iteration"] > 0:  # saved with its checkpoint: a later resume need not redo it
-            save_checkpoint(args, models, optimizers, state, rank)  # (at 0 no: a save makes up Adam states)
+    if held_out[0] and not args.resume:  # the starting policy's score: the curves' first point
+        log.evaluation(evaluate(policy, scorer, sampling, held_out, args, stops), state)
+        stop_if_asked(stops, state, models, optimizers, args)
     # <<< shared: outputs and the starting policy's held-out score
 
     for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
         clock = Stopwatch()
-        state_before = dict(state)  # what a stop before the update saves
         rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
-        drawn = []  # --dynamic_sampling: each round's responses, of every process
-        reward_failures = 0  # this process's, over the rounds
-        for sampling_round in range(1, args.max_sampling_rounds + 1):  # one round unless --dynamic_sampling
-            # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
-            idx, width = next_prompts(prompts, state, args, rank)  # width: the longest prompt on any process
-            idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
-            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
-            P = prompt_ids.shape[1]  # (B, P), B = local prompts x G
+        # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+        idx, width, data_position = next_prompts(prompts, state["data_position"], args, rank)  # width: on any process
+        idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
+        prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
+        P = prompt_ids.shape[1]  # (B, P), B = local prompts x G
 
-            # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the responses ---
-            # >>> shared: generate and score
-            uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
-            responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
-            input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
-            attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
-            clock.lap("generate")
-            scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
-            has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
-            train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
-            overlong = overlong_penalty(response_mask.sum(1), has_eos, args)  # (B,) 0 without --overlong_buffer
-            save_and_exit_if_asked(stops, args, models, optimizers, state_before, rank, device)  # failed reward, signal
-            # <<< shared: generate and score
-            if not args.dynamic_sampling:
-                break
-            # >>> shared: dynamic sampling, a round
-            # DAPO's dynamic sampling: rounds until rollout_batch_size groups have scores that differ (with penalties)
-            penalised = scores.raw - args.missing_eos_penalty * ~(has_eos | args.mask_truncated) + overlong  # (B,)
-            signal = ~zero_signal_groups(penalised, G).repeat_interleave(G)  # (B,) rows of groups with signal
-            reward_failures += scores.failed
-            round_rows = dict(
-                prompt_ids=prompt_ids,
-                prompt_mask=prompt_mask,
-                response_ids=responses,
-                response_mask=response_mask,
-                logprobs_old=logprobs_old,
-                train_mask=train_mask,
-                has_eos=has_eos.float(),
-                overlong=overlong,
-                signal=signal.float(),
-                raw=scores.raw,
-                **scores.metrics,
-            )
-            drawn.append(gather_rows(round_rows))  # every process's rows, in the order one process draws them
-            groups_with_signal = int(sum(rows["signal"].sum().item() for rows in drawn)) // G
-            if groups_with_signal >= args.rollout_batch_size or sampling_round == args.max_sampling_rounds:
-                break
-            state["episodes"] += responses_per_iteration  # each round's responses count as generated
-            # <<< shared: dynamic sampling, a round
-        if args.dynamic_sampling:
-            # >>> shared: dynamic sampling, the rollout
-            # The first rollout_batch_size groups with signal in the order drawn (then those without); each its slice
-            kept, scores = keep_rows_with_signal(drawn, scores, reward_failures, tokenizer, args, rank)
-            prompt_ids = kept["prompt_ids"]
-            P = prompt_ids.shape[1]
-            input_ids = kept["input_ids"]
-            attention_mask = kept["attention_mask"]
-            response_mask = kept["response_mask"]
-            logprobs_old = kept["logprobs_old"]
-            train_mask = kept["train_mask"]
-            has_eos = kept["has_eos"]
-            overlong = kept["overlong"]
-            # <<< shared: dynamic sampling, the rollout
+        # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the responses ---
+        # >>> shared: generate and score
+        uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
+        responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
+        input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+        attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
+        clock.lap("generate")
+        scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+        has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
+        train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
+        stop_if_asked(stops, state, models, optimizers, args)  # a failed reward, a signal: the state before step 1
+        # <<< shared: generate and score
 
         with torch.no_grad():
             score = torch.where(has_eos | args.mask_truncated, scores.raw, scores.raw - args.missing_eos_penalty)
-            if args.overlong_buffer:
-                score = score + overlong
 
             # --- 4. group-relative advantages, one per response; the reference's log-probs for the KL term ---
-            advantages = group_advantages(score, G, args.scale_rewards)  # (B,)
+            every_score = gather_rows({"score": score})["score"]  # (N,) every process's, for --scale_rewards batch
+            advantages = group_advantages(every_score, G, args.scale_rewards).chunk(args.world_size)[rank]  # (B,)
             group_std = score.view(-1, G).std(1, unbiased=False)  # (B / G,)
             zero_signal = zero_signal_groups(score, G)  # (B / G,)
             if args.drop_zero_signal_groups:
@@ -822,15 +644,10 @@ def main(args):
         # >>> shared: dashboard
         state["iteration"] = iteration
         state["episodes"] += responses_per_iteration
+        state["data_position"] = data_position
         m = dashboard(stats, state, scores, rollout, clock, args)
         m["memory/model_states_mb"] = megabytes_held(all_models, optimizers.values())  # this process's (rank 0's)
-        if args.overlong_buffer:
-            m["objective/overlong_penalty"] = global_mean(overlong)
         # <<< shared: dashboard
-        if args.dynamic_sampling:
-            m["rollout/sampling_rounds"] = sampling_round
-            m["rollout/groups_drawn"] = sampling_round * args.rollout_batch_size
-            m["rollout/groups_kept"] = min(groups_with_signal, args.rollout_batch_size)
         m["objective/group_reward_std"] = global_mean(group_std)
         m["adv/zero_signal_fraction"] = global_mean(zero_signal)
         m["adv/abs_mean"] = global_mean(advantages.abs())
@@ -841,18 +658,18 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, scorer, sampling, held_out, args, stops, state))
+            m.update(evaluate(policy, scorer, sampling, held_out, args, stops))
         log.iteration(m, state, prompt_ids, scores.texts, scores.raw)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
-        save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device)
+        stop_if_asked(stops, state, models, optimizers, args)
 
     # --- last: the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
     finish(policy, tokenizer, log, state, args, rank)
     # <<< shared: evaluate, alarms, log and save
 
 
-# ======== Everything below is plumbing, identical in ppo.py, grpo.py and rloo.py: the algorithm is all above ========
+# ======== Everything below is plumbing, identical in ppo.py, grpo.py, rloo.py and dapo.py: the algorithm is above ====
 
 
 # ---- processes, the task and loading
@@ -1139,43 +956,6 @@ def left_pad(sequences, pad_token_id, device, width=None):
         ids[i, width - len(s) :] = torch.tensor(s)
         mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
-
-
-def join_rounds(rounds, pad_token_id):
-    """Rounds of rows {key: (B_i, L_i) or (B_i,)} as one batch, each key padded to its longest: prompt_* keys on the
-    left, the others on the right; token ids (*_ids) with pad_token_id, everything else with 0."""
-    joined = {}
-    for key in rounds[0]:
-        width = max(rows[key].shape[-1] for rows in rounds)
-        value = 0
-        if key.endswith("_ids"):
-            value = pad_token_id
-        parts = []
-        for rows in rounds:
-            x = rows[key]
-            gap = width - x.shape[-1]
-            if x.dim() == 1:
-                parts.append(x)
-            elif key.startswith("prompt_"):
-                parts.append(torch.nn.functional.pad(x, (gap, 0), value=value))
-            else:
-                parts.append(torch.nn.functional.pad(x, (0, gap), value=value))
-        joined[key] = torch.cat(parts)
-    return joined
-
-
-def keep_rows_with_signal(rounds, scores, reward_failures, tokenizer, args, rank):
-    """--dynamic_sampling's rollout: of the rounds' rows, as many as one round draws, those of groups with signal
-    first in the order drawn; this process's slice of them, with its input_ids, attention_mask and Scores."""
-    drawn = join_rounds(rounds, tokenizer.pad_token_id)
-    order = (1 - drawn["signal"]).argsort(stable=True)[: len(rounds[0]["signal"])]  # with signal first
-    kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
-    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
-    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
-    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
-    kept["has_eos"] = kept["has_eos"].bool()
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return kept, Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
 
 
 def row_uniforms(rng, rows, args, rank):
@@ -1559,20 +1339,88 @@ def held_out_dataset(args):
     return None
 
 
-def next_prompts(prompts, state, args, rank):
-    """This process's prompts (dataset indices) from one shuffled order per epoch, and the longest on any process."""
-    if state["data_cursor"] + args.rollout_batch_size > len(prompts):
-        state["data_epoch"] += 1
-        state["data_cursor"] = 0
-    shuffle = torch.Generator().manual_seed(args.seed + state["data_epoch"])
+def next_prompts(prompts, position, args, rank):
+    """This process's prompts (dataset indices) from one shuffled order per epoch, the longest on any process, and
+    the position (data epoch, cursor) after them: position is where the last draw left off."""
+    epoch, cursor = position
+    if cursor + args.rollout_batch_size > len(prompts):
+        epoch += 1
+        cursor = 0
+    shuffle = torch.Generator().manual_seed(args.seed + epoch)
     order = torch.randperm(len(prompts), generator=shuffle).tolist()
-    batch = [order[(state["data_cursor"] + i) % len(prompts)] for i in range(args.rollout_batch_size)]  # for all
-    state["data_cursor"] += args.rollout_batch_size
+    batch = [order[(cursor + i) % len(prompts)] for i in range(args.rollout_batch_size)]  # for all
     local_batch = args.rollout_batch_size // args.world_size
-    return batch[rank * local_batch : (rank + 1) * local_batch], max(len(prompts[i]) for i in batch)
+    mine = batch[rank * local_batch : (rank + 1) * local_batch]
+    return mine, max(len(prompts[i]) for i in batch), (epoch, cursor + args.rollout_batch_size)
 
 
 # ---- rewards and evaluation
+@dataclass
+class Scorer:
+    """What scores a response: the reward models, each with its own tokenizer (None where it reads the policy's
+    tokens), the rules as (--reward_fn, its function or process), and the policy's tokenizer that decodes them."""
+
+    reward_models: list
+    reward_fns: list
+    tokenizer: object
+
+
+@dataclass
+class Scores:
+    """What score_responses returns for a batch of B responses."""
+
+    raw: torch.Tensor  # (B,) the reward models' minimum plus the rules' weighted sum, failed rewards replaced
+    metrics: dict  # {metric key: (B,)} the rules' weighted sum, and each rule's scores when there are several
+    texts: list  # the responses as text
+    failed: int  # how many responses' rewards failed
+
+
+@torch.no_grad()
+def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None):
+    """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
+    plus the rules' weighted sum. A failed reward is a reason to stop (in stops), or replaced (--on_reward_error)."""
+    texts = scorer.tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
+    last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+    size = args.micro_batch_size
+    rm_scores = []  # K x (B,)
+    for reward_model, own_tokenizer in scorer.reward_models:
+        if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
+            values = in_chunks(
+                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, p:], size, input_ids, attention_mask, P
+            )  # (B, T)
+            rm_scores.append(values[torch.arange(len(texts)), last])
+        else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
+            prompts = [row[args.prompt_field] for row in rows]
+            ids, mask = reward_model_inputs(own_tokenizer, prompts, texts, input_ids.device)
+            last_column = in_chunks(
+                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, -1:], size, ids, mask, ids.shape[1] - 1
+            )  # (B, 1)
+            rm_scores.append(last_column[:, 0])
+    rules = {}  # {name: (B,) its scores, nan where it failed}
+    failures = []  # (--reward_fn, its scores, why) of each rule that failed
+    answers = [row.get(args.answer_field) for row in rows]
+    for spec, fn in scorer.reward_fns:
+        scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
+        rules[spec.rpartition(":")[2]] = torch.tensor(scores, device=input_ids.device)
+        if reason is not None:
+            failures.append((spec, scores, reason))
+    rule_reward = None  # (B,) the rules' weighted sum
+    if rules:
+        weights = args.reward_weights or [1.0] * len(rules)
+        rule_reward = functools.reduce(torch.add, [w * x for w, x in zip(weights, rules.values())])
+    score = combine_scores(rm_scores, rule_reward)
+    why = first_rule_failure(score, failures, several=len(rules) > 1)
+    prompt_ids = input_ids[:, :P]
+    score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
+    metrics = {}
+    if rules:
+        metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
+    if len(rules) > 1:
+        for name, x in rules.items():
+            metrics[f"reward/{name}"] = x.nan_to_num(0.0)
+    return Scores(score, metrics, texts, failed)
+
+
 def replace_failed_scores(score, why, texts, tokenizer, prompt_ids, args, stops):
     """Scores (B,) that are not finite: a reason to stop (in stops; none given: raised), or with --on_reward_error
     penalty put below the batch's lowest. why says what failed (None: a score is not finite). Returns (B,), count."""
@@ -1910,7 +1758,7 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
 
 
 @torch.no_grad()
-def evaluate(policy, scorer, sampling, held_out, args, stops, state):
+def evaluate(policy, scorer, sampling, held_out, args, stops):
     """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
     prompts, rows = held_out
     rank = 0
@@ -1936,10 +1784,9 @@ def evaluate(policy, scorer, sampling, held_out, args, stops, state):
             scores.append(
                 score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops).raw
             )
-        result[name] = masked_mean(torch.cat(scores), counted).item()
-    # a reward failed, or a stop left a call unanswered (nan): the resumed run evaluates again
-    state["eval_due"] = any(isinstance(r, str) for r in stops) or not all(map(math.isfinite, result.values()))
-    if state["eval_due"]:
+        result[name] = global_mean(torch.cat(scores), counted)
+    failed = any(isinstance(r, str) for r in stops)  # a failed reward (a stop's unanswered call is nan too)
+    if failed or not all(map(math.isfinite, result.values())):
         return {}
     return result
 
@@ -1987,13 +1834,10 @@ def check_common_args(args, responses_per_iteration):
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
     require(
         args,
-        ("ent_coef", "missing_eos_penalty", "lora_r", "overlong_penalty"),
+        ("ent_coef", "missing_eos_penalty", "lora_r"),
         "must be zero or more",
         lambda v: v >= 0,
     )
-    require(args, ("overlong_buffer",), "must lie in [0, --response_length]", lambda v: 0 <= v <= args.response_length)
-    if bool(args.overlong_buffer) != bool(args.overlong_penalty):
-        raise SystemExit("--overlong_buffer and --overlong_penalty go together: pass both (DAPO: 1 for the penalty).")
     require(args, ("dual_clip",), "must be 0 (off) or more than 1 (the paper uses 3)", lambda v: v == 0 or v > 1)
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
@@ -2407,8 +2251,7 @@ def new_state(**algorithm_state):
     state = dict(
         iteration=0,
         episodes=0,
-        data_epoch=0,
-        data_cursor=0,
+        data_position=(0, 0),
         alarms_on=[],
         bad_steps=0,
         skipped_steps=0,
@@ -2460,14 +2303,14 @@ def catch_stop_signals():
     return stops
 
 
-def save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device):
+def stop_if_asked(stops, state, models, optimizers, args):
     """Nothing, unless a process has a reason to stop (a signal, a failed reward, --max_bad_steps): then every
     process saves a checkpoint of state and exits, rank 0 printing the command that resumes."""
     signum = next((r for r in stops if isinstance(r, int)), 0)
     failure = next((r for r in stops if isinstance(r, str)), None)
     reasons = {"signal": signum, "failure": failure is not None, "bad_steps": state["bad_steps"] >= args.max_bad_steps}
-    found = torch.tensor(list(reasons.values()), device=device)
-    if args.world_size > 1:
+    found = torch.tensor(list(reasons.values()), device=next(models["policy"].parameters()).device)
+    if dist.is_initialized():
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
     reasons = dict(zip(reasons, found.tolist()))
     if not any(reasons.values()):
@@ -2480,6 +2323,9 @@ def save_and_exit_if_asked(stops, args, models, optimizers, state, rank, device)
             f"{state['iteration']}); {USUAL_CAUSES}."
         )
         state = dict(state, bad_steps=0)
+    rank = 0
+    if dist.is_initialized():
+        rank = dist.get_rank()
     path = save_checkpoint(args, models, optimizers, state, rank)
     command = "python"
     if args.world_size > 1:
@@ -2561,9 +2407,14 @@ def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
         stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
 
 
-def global_mean(x):
-    """Mean of a per-sequence statistic (B,) over the whole (global) batch, as a float."""
-    return masked_mean(x.float(), torch.ones_like(x).float()).item()
+def global_mean(x, mask=None):
+    """Mean of a per-sequence statistic (B,) over every process's batch (where mask is 1), as a float."""
+    if mask is None:
+        mask = torch.ones_like(x).float()
+    total = torch.stack([(x.float() * mask).sum(), mask.sum()]).double()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).float().item()
 
 
 def dashboard(stats, state, scores, rollout, clock, args):

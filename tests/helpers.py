@@ -26,6 +26,7 @@ TINY_SIZES = {
     "ppo.py": dict(rollout_batch_size=8, minibatch_size=8, micro_batch_size=8, num_epochs=1),
     "grpo.py": GROUPS_OF_FOUR,
     "rloo.py": GROUPS_OF_FOUR,
+    "dapo.py": GROUPS_OF_FOUR,
 }
 # grpo.py's and rloo.py's groups of 8: 4 prompts x 8 responses an iteration, in two minibatches of two micro-batches
 GROUPS_OF_EIGHT = ["--rollout_batch_size=4", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=8"]

@@ -1,7 +1,8 @@
-"""DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) and dual-clip PPO (Ye et al. 2020, eq. 5) against plain
-float64 loops written from the papers' equations (values, gradients per token, the clip fractions, with padding), in
-all three scripts; their arguments refused in one sentence; and DAPO's dynamic sampling in runs: the groups it keeps,
-the episodes it counts, a stop in any round resumed bitwise, and two processes computing what one computes."""
+"""dapo.py's soft overlong punishment (Yu et al. 2025, eq. 13) and dual-clip PPO (Ye et al. 2020, eq. 5, in every
+script) against plain float64 loops written from the papers' equations (values, gradients per token, the clip
+fractions, with padding); dynamic sampling's choice of groups against a plain loop; bad arguments refused in one
+sentence; and dynamic sampling in runs: the groups it keeps, the episodes it counts, a stop in any round resumed
+bitwise, and two processes computing what one computes."""
 
 import math
 
@@ -21,11 +22,12 @@ from test_robustness import (  # noqa: F401 (small_held_out_set: test_robustness
     without_timing,
 )
 
+import dapo
 import grpo
 import ppo
 import rloo
 
-SCRIPTS = [ppo, grpo, rloo]
+SCRIPTS = [ppo, grpo, rloo, dapo]
 LENGTHS = [7, 3, 5, 1, 6, 4]  # responses of a rollout, right-padded to 7
 ADVANTAGES = [1.5, -0.7, 0.4, -2.0, 0.9, -0.3]
 
@@ -41,7 +43,7 @@ def ragged(seed):
     return new, old, torch.tensor(ADVANTAGES, dtype=torch.float64)[:, None], mask
 
 
-@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo"])
+@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo", "dapo"])
 def test_dual_clip_matches_the_papers_bound_token_by_token(module):
     """Ye et al. eq. 5 as a loss to minimise: -min(rho A, clip(rho) A) for A >= 0; for A < 0, min(that, -c A). A token
     with A < 0 whose ratio passed c loses -c A, a constant: no gradient; elsewhere the clipped loss and its gradient."""
@@ -84,7 +86,7 @@ def test_dual_clip_matches_the_papers_bound_token_by_token(module):
     assert 0 < bounded[mask.bool()].mean().item() < 0.5
 
 
-@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo"])
+@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo", "dapo"])
 def test_dual_clip_off_is_the_clipped_loss_itself(module):
     new, old, adv, _ = ragged(seed=8)
     clipped_loss = module.clip_loss(new, old, adv, 0.2, 0.2)[0]
@@ -103,27 +105,68 @@ def eq13(length, cut_off, response_length, buffer, factor):
     return factor * ((response_length - buffer) - length) / buffer
 
 
-@pytest.mark.parametrize("module", SCRIPTS, ids=["ppo", "grpo", "rloo"])
 @pytest.mark.parametrize("mask_truncated", [False, True])
-def test_overlong_punishment_is_dapos_equation_13(module, mask_truncated):
+def test_overlong_punishment_is_dapos_equation_13(mask_truncated):
     """Every length from 1 to the limit, ended or cut off (at the limit), for buffers of 1, 5 and the whole length;
     with --mask_truncated a cut-off response is left out of the loss and not punished."""
     L = 12
     for buffer in (1, 5, L):
-        args = module.Args(
-            response_length=L, overlong_buffer=buffer, overlong_penalty=0.7, mask_truncated=mask_truncated
-        )
         lengths = torch.tensor([*range(1, L + 1), L], dtype=torch.float64)
         has_eos = torch.tensor([True] * L + [False])
-        got = module.overlong_penalty(lengths, has_eos, args)
+        got = dapo.overlong_penalty(lengths, has_eos, L, buffer, 0.7, mask_truncated)
         for n, ended, value in zip(lengths.tolist(), has_eos.tolist(), got.tolist()):
             expected = eq13(n, not ended, L, buffer, 0.7)
             if mask_truncated and not ended:
                 expected = 0.0
             assert value == pytest.approx(expected, rel=1e-12, abs=1e-15), (buffer, n, ended)
         assert got[L - 1].item() == pytest.approx(-0.7)  # ended at the limit: the full punishment
-    off = module.overlong_penalty(torch.tensor([3, L]), torch.tensor([True, False]), module.Args(response_length=L))
+    off = dapo.overlong_penalty(torch.tensor([3, L]), torch.tensor([True, False]), L, 0, 0.7, mask_truncated)
     assert off.tolist() == [0.0, 0.0]
+
+
+def test_dynamic_sampling_keeps_the_first_groups_with_signal_in_the_order_drawn():
+    """Three rounds of two processes' rows (groups of 2, 4 groups a round): the rollout is the first 4 groups with
+    signal in the order drawn, then those without in the order drawn; each process takes its half; prompts of another
+    width are padded on the left, responses on the right. Against a plain loop over the groups."""
+    G = 2
+    g = torch.Generator().manual_seed(3)
+    rounds = []
+    signals = [[0, 1, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0]]  # per group: 3 with signal in all, then 9 without
+    for r, signal in enumerate(signals):
+        P = 3 + r  # another prompt width each round
+        T = 5 - r
+        rounds.append(
+            dict(
+                prompt_ids=torch.randint(2, 50, (8, P), generator=g),
+                prompt_mask=torch.ones(8, P, dtype=torch.long),
+                response_ids=torch.randint(2, 50, (8, T), generator=g),
+                response_mask=torch.ones(8, T, dtype=torch.long),
+                has_eos=torch.ones(8),
+                signal=torch.tensor(signal).repeat_interleave(G).float(),
+                raw=torch.arange(8).float() + 10 * r,
+            )
+        )
+    order = []  # (round, group) with signal first, each kind in the order drawn
+    for wanted in (1, 0):
+        order += [(r, k) for r in range(3) for k in range(4) if signals[r][k] == wanted]
+    expected_raw = [10 * r + G * k + j for r, k in order[:4] for j in range(G)]
+    tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "batch_decode": lambda self, ids, **kw: [""] * len(ids)})()
+    scores = dapo.Scores(torch.zeros(8), {}, [], 0)
+    args = dapo.Args(world_size=2)
+    kept = [dapo.keep_rows_with_signal(rounds, scores, 0, tokenizer, args, rank)[0] for rank in (0, 1)]
+    assert torch.cat([k["raw"] for k in kept]).tolist() == expected_raw
+    for k, rows in zip(kept, (order[:2], order[2:4])):
+        assert k["input_ids"].shape == (4, 5 + 5)  # the widest prompt, then the longest response
+        for b, (r, group) in enumerate(rows):
+            for j in range(G):
+                source = rounds[r]
+                row = G * group + j
+                P = source["prompt_ids"].shape[1]
+                T = source["response_ids"].shape[1]
+                assert k["prompt_ids"][G * b + j, 5 - P :].tolist() == source["prompt_ids"][row].tolist()
+                assert k["prompt_mask"][G * b + j, : 5 - P].sum() == 0  # left padding
+                assert k["response_ids"][G * b + j, :T].tolist() == source["response_ids"][row].tolist()
+                assert k["response_mask"][G * b + j, T:].sum() == 0  # right padding
 
 
 @pytest.mark.parametrize(
@@ -132,14 +175,9 @@ def test_overlong_punishment_is_dapos_equation_13(module, mask_truncated):
         (ppo, dict(dual_clip=1.0), r"--dual_clip must be 0 \(off\) or more than 1"),
         (grpo, dict(dual_clip=3.0, policy_loss="gspo"), r"--dual_clip bounds the clipped loss .* --policy_loss gspo"),
         (rloo, dict(dual_clip=3.0, policy_loss="cispo", clip_range_low=1.0), r"--policy_loss cispo has no such"),
-        (grpo, dict(overlong_buffer=4), "--overlong_buffer and --overlong_penalty go together"),
-        (rloo, dict(overlong_penalty=1.0), "--overlong_buffer and --overlong_penalty go together"),
-        (
-            ppo,
-            dict(overlong_buffer=30, overlong_penalty=1.0),
-            r"--overlong_buffer must lie in \[0, --response_length\]",
-        ),
-        (grpo, dict(dynamic_sampling=True, max_sampling_rounds=0), "--max_sampling_rounds must be at least 1"),
+        (dapo, dict(overlong_buffer=30), r"--overlong_buffer must lie in \[0, --response_length\]"),
+        (dapo, dict(overlong_penalty=-1.0), "--overlong_penalty must be zero or more"),
+        (dapo, dict(max_sampling_rounds=0), "--max_sampling_rounds must be at least 1"),
     ],
 )
 def test_bad_combinations_stop_in_one_sentence_before_any_model_loads(module, kw, message, tmp_path):
@@ -150,19 +188,19 @@ def test_bad_combinations_stop_in_one_sentence_before_any_model_loads(module, kw
 
 # ---------------------------------------------------------------- dynamic sampling in runs
 
-DYNAMIC = ["--dynamic_sampling", "--max_sampling_rounds=3", "--save_every=3"]
+DYNAMIC = ["--max_sampling_rounds=3", "--save_every=3"]
 
 
 def rounds_of(rows):
     return [r["rollout/sampling_rounds"] for r in rows if "rollout/sampling_rounds" in r]
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
-def test_a_stop_in_a_later_sampling_round_resumes_bitwise(script, tmp_path):
-    """The tiny arithmetic run (groups of 4) with --dynamic_sampling: iterations take 1 to 3 rounds. The rollout holds
+def test_a_stop_in_a_later_sampling_round_resumes_bitwise(tmp_path):
+    """The tiny arithmetic run (groups of 4) of dapo.py: iterations take 1 to 3 rounds. The rollout holds
     only groups with signal unless 3 rounds ran out, and the episodes count every response generated. The reward
     then fails in the second round of an iteration: the run stops with the checkpoint before that iteration, and
     resumed it is the run whose reward never failed, to its Adam states."""
+    script = "dapo.py"
     args = [*test_robustness.cli(script), *ARITHMETIC, *DYNAMIC]
     full, _ = run_script(script, tmp_path / "full", *args)
     rounds = rounds_of(full)
@@ -186,22 +224,18 @@ def test_a_stop_in_a_later_sampling_round_resumes_bitwise(script, tmp_path):
 
 
 def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):  # noqa: F811
-    """grpo.py as DAPO runs it (clip-higher, token mean, dynamic sampling, the overlong punishment) with dual clip, on
-    two processes and on one: the same rounds, groups and metrics (within 1e-5), and the same weights. Each process
-    draws its slice of every round; the kept groups are chosen from all of them and dealt out again."""
-    dapo = [
-        "--clip_range_high=0.28",
-        "--dynamic_sampling",
+    """dapo.py (clip-higher, token mean, dynamic sampling, the overlong punishment) with dual clip, on two processes
+    and on one: the same rounds, groups and metrics (within 1e-5), and the same weights. Each process draws its slice
+    of every round; the kept groups are chosen from all of them and dealt out again."""
+    options = [
         "--max_sampling_rounds=3",
-        "--overlong_buffer=4",
-        "--overlong_penalty=1",
         "--dual_clip=3",
         "--temperature=0.3",  # groups that all score alike, often: rounds drawn again
     ]
     one = tmp_path / "one"
     two = tmp_path / "two"
-    rows_one, _ = run_script("grpo.py", one, *common("grpo.py", held_out), *dapo)
-    rows_two = run_torchrun("grpo.py", two, *common("grpo.py", held_out), *dapo)
+    rows_one, _ = run_script("dapo.py", one, *common("dapo.py", held_out), *options)
+    rows_two = run_torchrun("dapo.py", two, *common("dapo.py", held_out), *options)
     assert_rows_agree(rows_two, rows_one)
     assert_same_model(two, one)
     assert max(rounds_of(rows_one)) > 1  # a round drawn again

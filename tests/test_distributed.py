@@ -35,6 +35,7 @@ ARGS = {
     "ppo.py": ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=2", "--total_episodes=48"],
     "grpo.py": [*GROUPS, "--total_episodes=96"],
     "rloo.py": [*GROUPS, "--total_episodes=96"],
+    "dapo.py": [*GROUPS, "--total_episodes=96"],
 }
 
 
@@ -49,7 +50,7 @@ def held_out(tmp_path_factory):
 
 
 def common(script, held_out):
-    task = "arithmetic" if script == "grpo.py" else "reviews"
+    task = "arithmetic" if script in ("grpo.py", "dapo.py") else "reviews"
     evaluation = ["--eval_every=1", "--eval_batch_size=4", f"--eval_dataset={held_out[task]}"]
     return [*ARGS[script], "--num_epochs=2", "--response_length=8", "--save_every=1", *evaluation]
 

@@ -47,6 +47,7 @@ TINY = {
     ),
     "grpo.py": dict(TINY_SIZES["grpo.py"], total_episodes=48, response_length=8, eval_every=0),
     "rloo.py": dict(TINY_SIZES["rloo.py"], total_episodes=48, response_length=8, eval_every=0),
+    "dapo.py": dict(TINY_SIZES["dapo.py"], total_episodes=48, response_length=8, eval_every=0),
 }
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 # the files of a checkpoint saved by two processes, each writing its own shard

@@ -1,0 +1,2809 @@
+"""DAPO in one file: GRPO with its four changes for long reasoning runs. Sample a group of responses per prompt, keep
+drawing prompts until the batch is full of groups whose scores differ, and push each response up or down by how it
+scored against its group, with a higher upper clip, every token weighted alike, and no KL term.
+
+Decoupled Clip and Dynamic sAmpling Policy Optimisation (Yu et al. 2025, arXiv:2503.14476) is grpo.py with:
+- clip-higher: the ratio's upper bound 1 + 0.28 above its lower 1 - 0.2, so that unlikely tokens can still rise
+  (--clip_range_high; section 3.1);
+- dynamic sampling: groups whose responses all score the same have no advantage and teach nothing, so prompts are
+  drawn and sampled in rounds until --rollout_batch_size groups with signal fill the batch (section 3.2, eq. 11);
+- the token-level loss, every token of the batch weighted alike (--loss_aggregation token_mean; section 3.3);
+- the soft overlong punishment: a response in the last --overlong_buffer tokens before --response_length loses up
+  to --overlong_penalty, linearly (section 3.4, eq. 13);
+- no KL term to a reference (--kl_coef 0), as the paper removes it. `diff grpo.py dapo.py` shows exactly this.
+
+Where this file departs from the paper, and why:
+- Sizes fit the embedded task on a CPU: 8 responses per prompt (the paper: 16), 32 prompts per rollout (512), a
+  buffer of 4 of 24 tokens (4,096 of 20,480); the answers are a few tokens, so the punishment rarely fires.
+- The rounds stop after --max_sampling_rounds (the paper draws until the batch is full); groups without signal then
+  fill the rest of the batch, in the order drawn.
+- A response that never reaches its stop token pays --missing_eos_penalty as in grpo.py, on top of the punishment.
+- --total_episodes counts the responses trained on, as in grpo.py: it sets the number of iterations. The responses
+  generated, dropped groups included, are logged as episodes.
+
+How to read it: Args, the math, the forward passes, dynamic sampling's rows, main (the loop as numbered steps);
+below it, shared plumbing.
+
+Commands: `python dapo.py` (the embedded default: arithmetic with its checker, CPU, minutes); `python dapo.py
+--model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset_config main --prompt_field question
+--chat_template --reward_fn gsm8k --mixed_precision --learning_rate 1e-6` (one GPU); `torchrun --nproc_per_node=8
+dapo.py --args ...` (one process per GPU).
+"""
+
+import datetime
+import functools
+import hashlib
+import importlib.util
+import inspect
+import itertools
+import json
+import math
+import multiprocessing.connection
+import os
+import pathlib
+import pkgutil
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass, fields
+from typing import Literal
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import tyro
+from huggingface_hub import constants as hub_constants
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import clip_grad_norm_
+from tqdm import tqdm
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
+from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import logging as hf_logging
+
+try:  # the fused log-softmax-gather of this file's repository (rlhf_kernels/): no float32 copy of the logits
+    from rlhf_kernels import token_logprobs
+except ImportError:  # this file copied alone: the same log-probs from plain torch (start_processes says so)
+
+    def token_logprobs(logits, tokens, temperature=1.0, return_entropy=False, check_range=True):
+        """log softmax(logits / temperature) (..., V) at tokens (...), in float32, and the entropy (...)."""
+        logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (..., V)
+        chosen = logp.gather(-1, tokens[..., None]).squeeze(-1)  # (...)
+        entropy = -(logp.exp() * logp.clamp(min=-1e4)).sum(-1)  # the clamp: 0 * -inf would be nan
+        return (chosen, entropy) if return_entropy else chosen
+
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")  # the embedded example, beside this file
+
+
+@dataclass
+class Args:
+    # the task: what is trained on, how it is scored, where it is written
+    exp_name: str = "dapo"
+    """name of the run (wandb run name)"""
+    output_dir: str = "runs/dapo"
+    """where metrics.jsonl, args.json and the final policy are written"""
+    dataset: str = f"{ASSETS}/arithmetic/train.jsonl"
+    """training prompts: a local .jsonl, .json, .csv, .tsv or .parquet file (.gz/.bz2/.xz too), or a hub dataset"""
+    reward_model_path: tuple[str, ...] = ()
+    """reward models (sequence classifiers, one label); with several, the score is their minimum"""
+    reward_fn: tuple[str, ...] = ("arithmetic",)
+    """rules, weighted, added to the reward models' minimum: arithmetic (exact answer), gsm8k (last number), f.py:fn"""
+    reward_weights: tuple[float, ...] = ()
+    """the weight of each --reward_fn, in order (none given: 1 each)"""
+
+    # DAPO: groups with signal, clip-higher, the token-level loss, the overlong punishment
+    total_episodes: int = 64000
+    """responses trained on over the whole run (those generated, dropped groups included, are logged as episodes)"""
+    rollout_batch_size: int = 32
+    """prompts per iteration, over all processes; each is sampled num_generations times"""
+    num_generations: int = 8
+    """G, responses per prompt: the group whose mean (and std) is each response's baseline"""
+    minibatch_size: int = 64
+    """responses per optimiser step, over all processes"""
+    micro_batch_size: int = 64
+    """responses per forward/backward in one process (gradient accumulation makes up the minibatch)"""
+    num_epochs: int = 1
+    """passes over each rollout (typically 1 to 4; more and the data goes stale)"""
+    learning_rate: float = 2e-4
+    """policy learning rate (hub-sized models want 1e-6 to 5e-6)"""
+    clip_range_low: float = 0.2
+    """ratios below 1 - clip_range_low stop pushing a token down"""
+    clip_range_high: float = 0.28
+    """ratios above 1 + clip_range_high stop pushing a token up: clip-higher, above the lower range (the paper's)"""
+    policy_loss: Literal["clip", "gspo", "cispo"] = "clip"
+    """the surrogate: PPO's clipped ratio per token; GSPO's one clipped ratio per response (the paper: --clip_range_low
+    3e-4 --clip_range_high 4e-4); CISPO's clipped, detached weight on every token's log pi (no lower bound: low 1)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide r - mean(group) by the group's std (GRPO), the whole batch's std, or nothing (Dr. GRPO)"""
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """how token losses become the minibatch loss: DAPO's token mean, GRPO's mean of sequence means, Dr. GRPO's
+    constant divisor"""
+    kl_coef: float = 0.0
+    """beta of the KL term in the loss; 0, the paper's, skips the reference model entirely"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """the per-token KL estimate in the loss (see kl_penalty)"""
+    drop_zero_signal_groups: bool = False
+    """leave groups whose responses all scored the same out of the loss"""
+    max_sampling_rounds: int = 8
+    """the most rounds of sampling in an iteration (the paper: until the batch is full); then groups without signal
+    fill the rollout"""
+    overlong_buffer: int = 4
+    """the soft overlong punishment: over the last this many tokens before --response_length a response's score falls
+    linearly to -overlong_penalty; one cut off there gets -overlong_penalty (with --mask_truncated: nothing); 0: off
+    (the paper: 4,096 of 20,480 tokens; here 4 of 24)"""
+    overlong_penalty: float = 1.0
+    """the soft overlong punishment at --response_length (the paper's 1), added to --missing_eos_penalty"""
+
+    # the models and the data
+    model_name_or_path: str = f"{ASSETS}/tiny-sft"
+    """the starting policy (a causal LM); the frozen reference is a copy of it"""
+    model_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the models' weights"""
+    hub_kernels: bool = False
+    """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
+    dataset_split: str = "train"
+    """split of a hub --dataset"""
+    dataset_config: str | None = None
+    """configuration of a hub --dataset and --eval_dataset, for those that have several (openai/gsm8k: main)"""
+    prompt_field: str = "prompt"
+    """the dataset column holding the prompts: text, or chat messages (a list of {"role", "content"})"""
+    chat_template: bool = False
+    """render each text prompt as one user message through the tokenizer's chat template (chat messages always are)"""
+    answer_field: str = "answer"
+    """the dataset column holding the reference answer (rule rewards only)"""
+    max_prompt_length: int = 64
+    """longest prompt in tokens"""
+    truncate_prompts: bool = False
+    """cut longer prompts to their last max_prompt_length tokens (with a warning) instead of stopping"""
+    seed: int = 1
+    """random seed, the same on every process (each draws every process's numbers and keeps its own)"""
+
+    # generation and the shared loss terms
+    response_length: int = 24
+    """most new tokens per response"""
+    temperature: float = 1.0
+    """sampling temperature; the log-probs of training and KL use the same temperature"""
+    decode: Literal["auto", "dynamic", "static", "cuda_graph"] = "auto"
+    """the KV cache grown a token a step, of fixed shape, or that with CUDA graphs (auto: on one GPU; else dynamic)"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
+    mask_truncated: bool = False
+    """leave responses cut off at --response_length out of the loss (DAPO's overlong filtering), not penalised"""
+    dual_clip: float = 0.0
+    """dual-clip PPO's c > 1 (the paper: 3): a token with a negative advantage A loses at most -c A; 0: off"""
+    max_grad_norm: float = 1.0
+    """gradient-norm clip, per trained model"""
+    ent_coef: float = 0.0
+    """weight of the entropy bonus (c2, 0 to 0.01)"""
+
+    # evaluation and logging
+    eval_dataset: str | None = None
+    """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
+    eval_split: str = "test"
+    """split of a hub --eval_dataset"""
+    eval_every: int = 10
+    """score the held-out prompts every this many iterations (and before the first and after the last); 0: never"""
+    eval_batch_size: int = 100
+    """held-out prompts per generation call"""
+    log_samples_every: int = 10
+    """print a few prompt / response / score rows every this many iterations"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "rlhf-reference"
+    """wandb project name"""
+
+    # alarms
+    alarm_kl: float = 20.0
+    """warn when the KL to the reference passes this (KL explosion)"""
+    alarm_clipfrac: float = 0.3
+    """warn when the clip fraction passes this (steps too large)"""
+    alarm_collapse: float = 0.5
+    """warn when entropy or distinct-2 falls below this fraction of its first value (mode collapse)"""
+
+    # checkpoints and failures
+    save_every: int = 50
+    """write a checkpoint every this many iterations, and always at the end and on SIGTERM or Ctrl-C"""
+    keep_checkpoints: int = 2
+    """how many of the newest checkpoints to keep in --output_dir"""
+    resume: str | None = None
+    """continue from a checkpoint folder, or 'auto': the newest one in --output_dir (none there: start afresh)"""
+    max_bad_steps: int = 3
+    """stop after this many optimiser steps in a row with a non-finite loss or gradient (each one is skipped)"""
+    on_reward_error: Literal["stop", "penalty"] = "stop"
+    """a reward that raises or is not finite: stop, or score it --missing_eos_penalty below the batch minimum"""
+    reward_timeout: float = 600.0
+    """seconds a call of your --reward_fn may take (0.1 to 1e6; 0: no limit): then its process is killed, with all it
+    started, and the call counts as a failed reward (a hung grader); SIGTERM or Ctrl-C ends a call at once"""
+
+    # precision and memory
+    mixed_precision: bool = False
+    """bf16 compute over fp32 weights and Adam states (FSDP2's policy, or autocast); frozen models in bf16"""
+    gradient_checkpointing: bool = False
+    """recompute each block's activations in the backward pass, not keeping them (less memory, 1/3 more compute)"""
+    replicate_frozen: bool = False
+    """under torchrun: a whole copy of the frozen models (reference, reward models) on every process, not shards"""
+
+    # LoRA
+    lora_r: int = 0
+    """LoRA rank: adapters on each trained model's frozen base, the reference being the policy without (0: no LoRA)"""
+    lora_alpha: float = 16.0
+    """LoRA scale: an adapter adds (lora_alpha / lora_r) B A to its weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input, in the training forward only (not sampling, the reference or evaluation)"""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """the layers that get adapters: names such as q_proj v_proj, or all-linear (every linear layer but the head)"""
+    save_adapters_only: bool = False
+    """with LoRA: save only the adapters (peft's format) instead of the base with the adapters merged in"""
+
+    # computed at runtime, not options
+    world_size: tyro.conf.Suppress[int] = 1
+    """number of processes, from WORLD_SIZE"""
+    num_iterations: tyro.conf.Suppress[int] = 0
+    """rollouts in the run: total_episodes // (rollout_batch_size * num_generations)"""
+
+
+# ---------------------------------- The math: small pure functions, tensors in and tensors out ------------------
+def masked_mean(x, mask):
+    """Mean of x over its valid entries (mask 1): a 0-d tensor of x's dtype. x and mask (B, ...) alike."""
+    total = torch.stack([(x * mask).sum(), mask.sum()]).double()  # summed in x's dtype, divided in float64
+    return (total[0] / total[1].clamp(min=1)).to(x.dtype)
+
+
+def masked_var(x, mask):
+    """Biased variance of x over its valid entries: a 0-d tensor."""
+    mean = masked_mean(x, mask)
+    return masked_mean((x - mean) ** 2, mask)
+
+
+def clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
+    """Per-token clipped surrogate, negated to be minimised (L^CLIP, Schulman et al. 2017, eq. 7):
+    -min(rho A, clip(rho, 1-eps_low, 1+eps_high) A) with rho = exp(logp - logp_old). The min switches the gradient
+    off once a token has moved eps the way its advantage wants, never when it moved the other way. PPO's eps_low =
+    eps_high; DAPO's clip-higher raises eps_high. Inputs (B, T), advantages maybe (B, 1); returns the loss, the ratio
+    and whether each token was clipped, (B, T) each."""
+    ratio = torch.exp(logprobs - logprobs_old)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
+
+
+def dual_clip_loss(loss, advantages, c):
+    """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729, eq. 5): a token with A < 0 loses at most -c A (c > 1), where
+    clip_loss's -rho A grows without bound as rho does; past the bound its gradient is 0. c = 0: the loss as it is.
+    loss (B, T) from clip_loss, advantages (B, T) or (B, 1); returns the loss and where the bound took effect."""
+    if not c:
+        return loss, torch.zeros_like(loss)
+    bounded = (advantages < 0) & (loss > -c * advantages)
+    return torch.where(bounded, -c * advantages, loss), bounded.float()
+
+
+def gspo_loss(logprobs, logprobs_old, advantages, mask, clip_low, clip_high):
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): one ratio per response, s = exp(mean over its tokens of
+    log pi - log pi_old), in the clipped surrogate -min(s A, clip(s, 1-eps_low, 1+eps_high) A) on each of its tokens.
+    The GSPO-token form: sg(s) exp(log pi - sg(log pi)) has the value s and the gradient s grad log pi per token, so
+    with one advantage per response and sequence_mean aggregation the loss is the paper's sequence objective. Inputs
+    (B, T), advantages (B, 1); returns the loss, the ratio s and whether its response was clipped, (B, T) each."""
+    seq_log_ratio = ((logprobs - logprobs_old) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(seq_log_ratio.detach() + logprobs - logprobs.detach())  # (B, T): s on every token
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    return -torch.min(unclipped, clipped), ratio, (clipped < unclipped).float()
+
+
+def cispo_loss(logprobs, logprobs_old, advantages, clip_low, clip_high):
+    """CISPO (MiniMax-M1, arXiv:2506.13585): the importance weight itself clipped and detached, every token keeping
+    its gradient, however far its ratio moved: -sg(clip(rho, 1-eps_low, 1+eps_high)) A log pi with rho = exp(log pi
+    - log pi_old). Inputs (B, T), advantages (B, 1); returns the loss, rho and whether each token's weight was
+    clipped, (B, T) each."""
+    ratio = torch.exp(logprobs - logprobs_old)
+    weight = torch.clamp(ratio, 1 - clip_low, 1 + clip_high).detach()
+    return -weight * advantages * logprobs, ratio, (weight != ratio).float()
+
+
+def policy_loss(kind, logprobs, logprobs_old, advantages, mask, clip_low, clip_high):
+    """The loss --policy_loss names: PPO's clip, GSPO or CISPO. Returns the per-token loss, the ratio and what was
+    clipped, (B, T) each."""
+    if kind == "gspo":
+        return gspo_loss(logprobs, logprobs_old, advantages, mask, clip_low, clip_high)
+    if kind == "cispo":
+        return cispo_loss(logprobs, logprobs_old, advantages, clip_low, clip_high)
+    return clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high)
+
+
+def overlong_penalty(lengths, has_eos, max_length, buffer, factor, truncated_left_out):
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), each response's (B,): 0 up to the last buffer tokens
+    before max_length, then falling linearly to -factor at it; -factor when cut off there without a stop token, unless
+    truncated_left_out (--mask_truncated leaves it out of the loss). lengths (B,) count the stop token; has_eos (B,)."""
+    if not buffer:
+        return torch.zeros_like(lengths, dtype=torch.float)
+    over = ((lengths - max_length) / buffer + 1).clamp(0, 1)  # (B,) 0 before the buffer, 1 at max_length
+    penalty = -factor * torch.where(has_eos, over, 1.0)
+    if truncated_left_out:  # a cut-off response is left out of the loss, not punished
+        penalty = torch.where(has_eos, penalty, 0.0)
+    return penalty
+
+
+def group_advantages(scores, group_size, scale_rewards, eps=1e-8):
+    """GRPO's advantage of each response (Shao et al. 2024, eq. 3 with outcome rewards; its A_i):
+    A_i = (r_i - mean(r_group)) / std(r_group), the population std; 'batch' divides by the std of all the scores
+    instead, 'none' by nothing (Dr. GRPO: the std overweights prompts that are nearly solved
+    or nearly hopeless). scores (B,) hold consecutive groups of group_size. Returns (B,)."""
+    grouped = scores.view(-1, group_size)  # (groups, G)
+    centred = grouped - grouped.mean(1, keepdim=True)
+    # A group whose scores are all equal has no signal: exactly 0. Centred, its scores are 0 only up to rounding (the
+    # float32 mean of eight 0.3s is not 0.3), and a std of 0 + eps would blow that up to order 1.
+    centred = torch.where(zero_signal_groups(scores, group_size)[:, None], 0.0, centred)
+    if scale_rewards == "group":
+        centred = centred / (grouped.std(1, unbiased=False, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        centred = centred / (masked_var(scores, torch.ones_like(scores)) ** 0.5 + eps)
+    return centred.reshape(-1)
+
+
+def zero_signal_groups(scores, group_size):
+    """Groups whose responses all scored the same (B / G,) bool: every advantage in them is 0, so they teach
+    nothing. scores (B,) hold consecutive groups of group_size."""
+    grouped = scores.view(-1, group_size)  # (groups, G)
+    return (grouped == grouped[:, :1]).all(1)
+
+
+def kl_penalty(logprobs, logprobs_ref, estimator, mask=None):
+    """Per-token estimate (B, T) of KL(pi || pi_ref) from tokens sampled from pi (Schulman 2020, "Approximating KL
+    divergence"), log r = log pi_ref - log pi, set to 0 past a response's end (mask 0) before any exp: no inf * 0 = nan
+    can reach a sum. logprobs, logprobs_ref and mask (B, T):"""
+    log_r = logprobs_ref - logprobs
+    if mask is not None:
+        log_r = torch.where(mask.bool(), log_r, 0.0)
+    if estimator == "k1":
+        return -log_r  # unbiased, but high variance and negative on some tokens
+    if estimator == "k2":
+        return 0.5 * log_r**2  # never negative, low variance, biased (exact to second order in log r)
+    return torch.expm1(log_r) - log_r  # k3 = (r - 1) - log r: unbiased, never negative, low variance (GRPO, eq. 4)
+
+
+def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
+    """Per-token weights w (B, T) such that the minibatch loss is sum w * loss; mask (B, T). num_sequences and
+    num_tokens count the whole (global) minibatch, so micro-batches and processes add up to the same loss."""
+    if aggregation == "token_mean":  # every token the same weight: a long response counts more than a short one (DAPO)
+        return mask / max(num_tokens, 1)
+    if aggregation == "sequence_mean":  # every response the same weight: a long one's tokens count less (GRPO)
+        return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(num_sequences, 1))
+    return mask / (max(num_sequences, 1) * response_length)  # a constant divisor: no length bias (Dr. GRPO)
+
+
+# ---------------------- The rollout's forward passes: log-probs, values and scores, sampling with a KV cache ------
+def response_logprobs(policy, input_ids, attention_mask, prompt_length, temperature, return_entropy=False):
+    """Teacher-forced log-probs (and entropies) (B, T) of the response tokens input_ids[:, prompt_length:], exactly
+    0 past each response's end (where attention_mask is 0): a pad's log-prob can be -1e4 at a low temperature, and
+    an exp of it in a KL estimate or a ratio would turn the masked sum into inf * 0 = nan. Masked before any exp."""
+    logits = policy(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        logits_to_keep=input_ids.shape[1] - prompt_length + 1,
+    ).logits  # the LM head on the last T + 1 only
+    out = token_logprobs(logits[:, :-1], input_ids[:, prompt_length:], temperature, return_entropy=return_entropy)
+    valid = attention_mask[:, prompt_length:].bool()  # (B, T)
+    if return_entropy:
+        logprobs, entropy = out
+        return torch.where(valid, logprobs, 0.0), torch.where(valid, entropy, 0.0)
+    return torch.where(valid, out, 0.0)
+
+
+def combine_scores(rm_scores, rule_reward=None):
+    """The minimum over reward models (the ensemble fix for reward exploitation), plus any rule reward: (B,)."""
+    if rm_scores:
+        score = torch.stack(rm_scores).min(0).values
+    else:
+        score = torch.zeros_like(rule_reward)
+    if rule_reward is not None:
+        score = score + rule_reward
+    return score
+
+
+def sample_token(logits, uniforms, temperature):
+    """Each row's next token (B,), by inverse CDF of its uniform (B,) or greedy, and its log-prob under these logits."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    cdf = probs.cumsum(-1)  # scaled by its last entry below, so that rounding cannot leave it short of the draw
+    if uniforms is None:
+        token = probs.argmax(-1)  # (B,) greedy, for evaluation
+    else:  # (B,) the first token whose cumulative probability passes the row's uniform
+        token = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0].clamp(max=probs.shape[1] - 1)
+    return token, token_logprobs(logits, token, temperature, check_range=False)  # drawn here: in range, no host sync
+
+
+@torch.no_grad()
+def generate(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
+    """Sample responses (B, T) to left-padded prompts (B, P) with a KV cache, with the log-prob of each token from the
+    logits it was drawn from (logprobs_old) and the mask up to and including its stop token. Token t of row b is drawn
+    by uniforms[b, t], drawn beforehand so that no response depends on its batch (none: greedy)."""
+    hold_full_parameters(policy, hold=True)
+    cache = DynamicCache()
+    unique, copies = torch.unique_consecutive(torch.cat([prompt_ids, prompt_mask], 1), dim=0, return_inverse=True)
+    ids, mask = unique.tensor_split([prompt_ids.shape[1]], 1)  # (U, P) each: the U prompts unlike the row before
+    logits = policy(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=position_ids_from(mask),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[copies, -1]  # the last position's alone: (B, V)
+    cache.reorder_cache(copies)  # a group's prompt encoded once, its keys and values repeated for its rows: (B, ...)
+    next_position = position_ids_from(prompt_mask)[:, -1:] + 1  # (B, 1)
+    if sampling.decode != "dynamic":
+        # On a GPU --decode auto is cuda_graph: StaticDecoder, below the banner, runs this loop's steps over buffers
+        # of fixed shape, each step one CUDA graph; the same draws give the same tokens.
+        return static_decode(policy, cache, logits, prompt_mask, sampling, uniforms)
+    attention_mask = prompt_mask
+    done = torch.zeros_like(prompt_ids[:, 0], dtype=torch.bool)  # (B,)
+    tokens = []
+    logprobs = []
+    masks = []
+    for step in range(sampling.max_new_tokens):
+        step_uniforms = None if uniforms is None else uniforms[:, step]  # (B,); None: greedy
+        token, logprob = sample_token(logits, step_uniforms, sampling.temperature)
+        masks.append(~done)
+        tokens.append(torch.where(done, sampling.pad_token_id, token))
+        logprobs.append(torch.where(done, 0.0, logprob))
+        done = done | torch.isin(token, sampling.stop_ids)
+        if done.all() or step == sampling.max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        out = policy(
+            input_ids=tokens[-1][:, None],
+            attention_mask=attention_mask,
+            position_ids=next_position,
+            cache=cache,
+            use_cache=True,
+        )
+        logits = out.logits[:, -1]
+        next_position = next_position + 1
+    hold_full_parameters(policy, hold=False)
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+
+
+# ---------------------- Dynamic sampling: the rounds' rows joined, the groups with signal kept ----------------------
+def join_rounds(rounds, pad_token_id):
+    """Rounds of rows {key: (B_i, L_i) or (B_i,)} as one batch, each key padded to its longest: prompt_* keys on the
+    left, the others on the right; token ids (*_ids) with pad_token_id, everything else with 0."""
+    joined = {}
+    for key in rounds[0]:
+        width = max(rows[key].shape[-1] for rows in rounds)
+        value = 0
+        if key.endswith("_ids"):
+            value = pad_token_id
+        parts = []
+        for rows in rounds:
+            x = rows[key]
+            gap = width - x.shape[-1]
+            if x.dim() == 1:
+                parts.append(x)
+            elif key.startswith("prompt_"):
+                parts.append(torch.nn.functional.pad(x, (gap, 0), value=value))
+            else:
+                parts.append(torch.nn.functional.pad(x, (0, gap), value=value))
+        joined[key] = torch.cat(parts)
+    return joined
+
+
+def keep_rows_with_signal(rounds, scores, reward_failures, tokenizer, args, rank):
+    """Dynamic sampling's rollout: of the rounds' rows, as many as one round draws, those of groups with signal first
+    in the order drawn; this process's slice of them, with its input_ids, attention_mask and Scores."""
+    drawn = join_rounds(rounds, tokenizer.pad_token_id)
+    order = (1 - drawn["signal"]).argsort(stable=True)[: len(rounds[0]["signal"])]  # with signal first
+    kept = {key: x[order.chunk(args.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
+    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
+    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
+    kept["has_eos"] = kept["has_eos"].bool()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return kept, Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
+
+
+def build_models(args, tokenizer, device):
+    """Load the policy, its frozen reference and the reward models, in eval mode (no dropout). With
+    --kl_coef 0 nothing reads the reference, so it is not loaded at all."""
+    policy = load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=True)
+    ref_policy = load_reference(args, policy, device) if args.kl_coef > 0 else None
+    reward_models = load_reward_models(args, tokenizer, device)
+    return policy, ref_policy, reward_models
+
+
+def validate(args):
+    """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
+    require(args, ("num_generations",), "must be at least 2 (the others are each one's baseline)", lambda v: v >= 2)
+    require(args, ("learning_rate", "clip_range_low", "clip_range_high"), "must be positive", lambda v: v > 0)
+    require(args, ("kl_coef", "overlong_penalty"), "must be zero or more", lambda v: v >= 0)
+    require(args, ("max_sampling_rounds",), "must be at least 1", lambda v: v >= 1)
+    require(args, ("overlong_buffer",), "must lie in [0, --response_length]", lambda v: 0 <= v <= args.response_length)
+    if args.dual_clip and args.policy_loss != "clip":
+        raise SystemExit(
+            f"--dual_clip bounds the clipped loss of a token's ratio; --policy_loss {args.policy_loss} has "
+            "no such per-token term to bound (GSPO's ratio is per response, CISPO's weight is clipped already)."
+        )
+    check_common_args(args, responses_per_iteration=args.rollout_batch_size * args.num_generations)
+
+
+# What the one line per iteration shows: (label, metric key, format); keys a run does not log are left out.
+PRINTED = [
+    ("score", "objective/score", "+.3f"),
+    ("rule", "objective/rule_reward", ".3f"),
+    ("kl", "objective/kl", ".2f"),
+    ("len", "response/length", ".1f"),
+    ("eos", "response/eos_rate", ".2f"),
+    ("d2", "response/distinct2", ".2f"),
+    ("ent", "policy/entropy", ".2f"),
+    ("clip", "policy/clipfrac", ".3f"),
+    ("zero-signal", "adv/zero_signal_fraction", ".2f"),
+    ("rounds", "rollout/sampling_rounds", "d"),
+    ("groups with signal", "rollout/groups_kept", "d"),
+    ("held-out", "eval/score", "+.3f"),
+]
+
+
+def main(args):
+    # --- 0. set-up: one process per device under torchrun (a plain run needs none); the data checked first ---
+    # >>> shared: set-up
+    rank, device = start_processes(args)
+    validate(args)
+    torch.manual_seed(args.seed)  # the same on every process: new weights (a head, adapters) start the same
+    tokenizer, prompts, rows, held_out, sampling, reward_fns = load_task(args, device)
+    # <<< shared: set-up
+    G = args.num_generations
+    responses_per_iteration = args.rollout_batch_size * G
+    args.num_iterations = args.total_episodes // responses_per_iteration
+    policy, ref_policy, reward_models = build_models(args, tokenizer, device)
+    scorer = Scorer(reward_models, reward_fns, tokenizer)
+    models = {"policy": policy}
+    optimizers = {"policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)}
+    all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
+    # Everything besides the model and optimiser that a resumed run needs, in one place.
+    if args.resume:
+        state = load_checkpoint(args.resume, models, optimizers)
+    else:
+        state = new_state()
+    # >>> shared: outputs and the starting policy's held-out score
+    log = Log(args, state, rank, tokenizer)
+    stops = catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
+    if held_out[0] and not args.resume:  # the starting policy's score: the curves' first point
+        log.evaluation(evaluate(policy, scorer, sampling, held_out, args, stops), state)
+        stop_if_asked(stops, state, models, optimizers, args)
+    # <<< shared: outputs and the starting policy's held-out score
+
+    for iteration in range(state["iteration"] + 1, args.num_iterations + 1):
+        clock = Stopwatch()
+        rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)  # the same on every process
+        data_position = state["data_position"]  # each round draws the next prompts
+        drawn = []  # each round's responses, of every process
+        reward_failures = 0  # this process's, over the rounds
+        for _round in range(args.max_sampling_rounds):
+            # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+            idx, width, data_position = next_prompts(prompts, data_position, args, rank)  # width: on any process
+            idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
+            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
+            P = prompt_ids.shape[1]  # (B, P), B = local prompts x G
+
+            # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the responses ---
+            # >>> shared: generate and score
+            uniforms = row_uniforms(rng, len(idx), args, rank).to(device)  # (B, response_length)
+            responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
+            input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
+            attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
+            clock.lap("generate")
+            scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+            has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
+            train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
+            stop_if_asked(stops, state, models, optimizers, args)  # a failed reward, a signal: the state before step 1
+            # <<< shared: generate and score
+            # Dynamic sampling (Yu et al. 2025, eq. 11): rounds until rollout_batch_size groups have scores that differ
+            overlong = overlong_penalty(
+                response_mask.sum(1),
+                has_eos,
+                args.response_length,
+                args.overlong_buffer,
+                args.overlong_penalty,
+                args.mask_truncated,
+            )  # (B,)
+            penalised = scores.raw - args.missing_eos_penalty * ~(has_eos | args.mask_truncated) + overlong  # (B,)
+            signal = ~zero_signal_groups(penalised, G).repeat_interleave(G)  # (B,) rows of groups with signal
+            reward_failures += scores.failed
+            round_rows = dict(
+                prompt_ids=prompt_ids,
+                prompt_mask=prompt_mask,
+                response_ids=responses,
+                response_mask=response_mask,
+                logprobs_old=logprobs_old,
+                train_mask=train_mask,
+                has_eos=has_eos.float(),
+                overlong=overlong,
+                signal=signal.float(),
+                raw=scores.raw,
+                **scores.metrics,
+            )
+            drawn.append(gather_rows(round_rows))  # every process's rows, in the order one process draws them
+            groups_with_signal = int(sum(rows["signal"].sum().item() for rows in drawn)) // G
+            if groups_with_signal >= args.rollout_batch_size:
+                break
+        # The first rollout_batch_size groups with signal in the order drawn (then those without); each its slice
+        kept, scores = keep_rows_with_signal(drawn, scores, reward_failures, tokenizer, args, rank)
+        prompt_ids = kept["prompt_ids"]
+        P = prompt_ids.shape[1]
+        input_ids = kept["input_ids"]
+        attention_mask = kept["attention_mask"]
+        response_mask = kept["response_mask"]
+        logprobs_old = kept["logprobs_old"]
+        train_mask = kept["train_mask"]
+        has_eos = kept["has_eos"]
+        overlong = kept["overlong"]
+
+        with torch.no_grad():
+            score = torch.where(has_eos | args.mask_truncated, scores.raw, scores.raw - args.missing_eos_penalty)
+            if args.overlong_buffer:
+                score = score + overlong  # DAPO's soft overlong punishment
+
+            # --- 4. group-relative advantages, one per response; the reference's log-probs for the KL term ---
+            every_score = gather_rows({"score": score})["score"]  # (N,) every process's, for --scale_rewards batch
+            advantages = group_advantages(every_score, G, args.scale_rewards).chunk(args.world_size)[rank]  # (B,)
+            group_std = score.view(-1, G).std(1, unbiased=False)  # (B / G,)
+            zero_signal = zero_signal_groups(score, G)  # (B / G,)
+            if args.drop_zero_signal_groups:
+                train_mask = train_mask * ~zero_signal.repeat_interleave(G)[:, None]  # (B, T)
+            if ref_policy is not None:
+                logprobs_ref = (
+                    in_chunks(
+                        lambda i, m, p: response_logprobs(ref_policy, i, m, p, args.temperature),
+                        args.micro_batch_size,
+                        input_ids,
+                        attention_mask,
+                        P,
+                    )
+                    * response_mask
+                )  # (B, T)
+        clock.lap("score")
+
+        # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
+        rollout = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            has_eos=has_eos.float(),
+            train_mask=train_mask,
+            logprobs_old=logprobs_old,
+            advantages=advantages,
+        )
+        if ref_policy is not None:
+            rollout["logprobs_ref"] = logprobs_ref
+        rollout = gather_rows(rollout)
+        stats = defaultdict(float)  # sums over tokens of what the dashboard shows
+        adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
+        for _epoch in range(args.num_epochs):
+            perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
+            for mb_start in range(0, responses_per_iteration, args.minibatch_size):
+                mb_idx = perm[mb_start : mb_start + args.minibatch_size]
+                mb_mask = rollout["train_mask"][mb_idx]
+                mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
+                mb_sequences = mb_mask.amax(1).sum().item()  # responses it trains on
+                mine = mb_idx.chunk(args.world_size)[rank]  # this process's share
+                if mb_tokens == 0:  # every response left out (zero signal): no step, not even Adam's momentum
+                    continue
+                for micro_idx in by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):  # sorted
+                    micro, p = cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # cut: (micro, p + T')
+                    mask = micro["train_mask"].float()  # (micro, T')
+                    logprobs, entropy = response_logprobs(
+                        policy, micro["input_ids"], micro["attention_mask"], p, args.temperature, return_entropy=True
+                    )  # (micro, T') each
+                    pg_loss, ratio, pg_clipped = policy_loss(
+                        args.policy_loss,
+                        logprobs,
+                        micro["logprobs_old"],
+                        micro["advantages"][:, None],
+                        mask,
+                        args.clip_range_low,
+                        args.clip_range_high,
+                    )
+                    pg_loss, dual_clipped = dual_clip_loss(pg_loss, micro["advantages"][:, None], args.dual_clip)
+                    per_token = pg_loss - args.ent_coef * entropy  # (micro, T)
+                    terms = {"policy/loss": pg_loss, "policy/entropy": entropy, "policy/clipfrac": pg_clipped}
+                    if args.dual_clip:
+                        terms["policy/dual_clipfrac"] = dual_clipped
+                    if ref_policy is not None:
+                        terms["policy/kl_term"] = kl_penalty(logprobs, micro["logprobs_ref"], args.kl_estimator, mask)
+                        per_token = per_token + args.kl_coef * terms["policy/kl_term"]
+                    weights = loss_weights(mask, args.loss_aggregation, args.response_length, mb_sequences, mb_tokens)
+                    loss = (per_token * weights).sum()
+                    loss.backward()  # under FSDP2, also sums the gradients over the processes
+                    add_token_stats(stats, mask, ratio, logprobs, micro["logprobs_old"], terms)
+                # >>> shared: optimiser step
+                grad_norms = {}
+                for name, model in models.items():
+                    grad_norms[name] = clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if step_is_finite(grad_norms, stats, state, iteration, args):  # a nan or inf gradient: no step
+                    for optimizer in optimizers.values():
+                        optimizer.step()
+                    refuse_non_finite(models, f"iteration {iteration}'s optimiser step left a weight non-finite", args)
+                for optimizer in optimizers.values():
+                    optimizer.zero_grad(set_to_none=True)
+                # <<< shared: optimiser step
+        adapter_dropout(models.values(), on=False)
+        clock.lap("optimize")
+
+        # --- 6. the dashboard: batch statistics over all processes ---
+        state["episodes"] += (len(drawn) - 1) * responses_per_iteration  # every round's responses are generated
+        # >>> shared: dashboard
+        state["iteration"] = iteration
+        state["episodes"] += responses_per_iteration
+        state["data_position"] = data_position
+        m = dashboard(stats, state, scores, rollout, clock, args)
+        m["memory/model_states_mb"] = megabytes_held(all_models, optimizers.values())  # this process's (rank 0's)
+        # <<< shared: dashboard
+        if args.overlong_buffer:
+            m["objective/overlong_penalty"] = global_mean(overlong)
+        m["rollout/sampling_rounds"] = len(drawn)
+        m["rollout/groups_drawn"] = len(drawn) * args.rollout_batch_size
+        m["rollout/groups_kept"] = min(groups_with_signal, args.rollout_batch_size)
+        m["objective/group_reward_std"] = global_mean(group_std)
+        m["adv/zero_signal_fraction"] = global_mean(zero_signal)
+        m["adv/abs_mean"] = global_mean(advantages.abs())
+        if ref_policy is not None:  # nats per response, as in ppo.py
+            m["objective/kl"] = global_mean(((logprobs_old - logprobs_ref) * response_mask).sum(1))
+            m["objective/kl_coef"] = args.kl_coef
+
+        # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
+        # >>> shared: evaluate, alarms, log and save
+        if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
+            m.update(evaluate(policy, scorer, sampling, held_out, args, stops))
+        log.iteration(m, state, prompt_ids, scores.texts, scores.raw)
+        if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
+            save_checkpoint(args, models, optimizers, state, rank)
+        stop_if_asked(stops, state, models, optimizers, args)
+
+    # --- last: the final policy where from_pretrained can load it (under FSDP2, gathered from the shards) ---
+    finish(policy, tokenizer, log, state, args, rank)
+    # <<< shared: evaluate, alarms, log and save
+
+
+# ======== Everything below is plumbing, identical in ppo.py, grpo.py, rloo.py and dapo.py: the algorithm is above ====
+
+
+# ---- processes, the task and loading
+def start_processes(args):
+    """One process per device under torchrun, none in a plain run: sets args.world_size, returns rank and device."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    args.world_size = int(os.environ.get("WORLD_SIZE", 1))
+    hf_logging.disable_progress_bar()  # transformers' loading and saving bars; the run's own bar stays
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=collective_timeout(args))
+    else:  # a plain run's checkpoints are one process's, as meant: torch need not warn at each save and load
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    if rank == 0 and not token_logprobs.__module__.startswith("rlhf_kernels"):
+        print("rlhf_kernels (the fused log-prob kernel) was not found: log-probs come from the plain torch path")
+    return rank, device
+
+
+CHECKPOINT_S = 1200  # the longest a checkpoint may take: a 7B PPO run's policy and critic with Adam, 170 GB at 150 MB/s
+
+
+def collective_timeout(args):
+    """How long a process waits in a collective for the others: past the longest legitimate wait, twice
+    --reward_timeout and a checkpoint. NCCL's own 10 minutes, the default --reward_timeout, would end the processes
+    waiting on a hung reward just as its --reward_timeout ends the call, before the checkpoint."""
+    if args.reward_timeout <= 0:  # a reward may take any time
+        return datetime.timedelta(days=7)
+    return datetime.timedelta(seconds=2 * args.reward_timeout + CHECKPOINT_S)
+
+
+@dataclass
+class Sampling:
+    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
+    that fills a row after its end, and the decode loop (--decode)."""
+
+    max_new_tokens: int
+    temperature: float
+    stop_ids: torch.Tensor
+    pad_token_id: int
+    decode: str = "dynamic"
+
+
+def load_task(args, device):
+    """The tokenizer, prompts and rows, held-out (prompts, rows), how to sample and the rules, before any model."""
+    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
+    if tokenizer.pad_token_id is None:
+        warnings.warn(
+            "the tokenizer has no pad token; using EOS as pad (masks, not ids, say what is padding).", stacklevel=2
+        )
+        tokenizer.pad_token = tokenizer.eos_token
+    stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)  # the chat template tried first
+    sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, args.decode)
+    prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
+    eval_path = held_out_dataset(args)
+    held_out = ([], [])
+    if eval_path:
+        held_out = load_prompts(eval_path, args.eval_split, args, tokenizer)
+    elif args.eval_every:
+        message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
+        warnings.warn(message, stacklevel=2)
+    reward_fns = [(spec, load_reward_fn(spec)) for spec in args.reward_fn]  # (spec, function or RewardProcess)
+    return tokenizer, prompts, rows, held_out, sampling, reward_fns
+
+
+def check_model_path(path, kind, what):
+    """One sentence, before anything loads, for a path that is not a model of its kind ('model': any)."""
+    if not os.path.isdir(path) and not hub_constants.HF_HUB_OFFLINE and not reachable(hub_constants.ENDPOINT):
+        hub_constants.HF_HUB_OFFLINE = True  # no network: a model cached earlier still loads, any other fails at once
+    if os.path.isfile(path):
+        raise SystemExit(f"{what} '{path}' is a file; pass the folder that holds the model (save_pretrained's).")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(
+            f"{what} '{path}' could not be found or read ({type(e).__name__}); pass a local folder "
+            "written by save_pretrained or a hub model name (the hub needs the network)."
+        ) from None
+    archs = config.architectures or []
+    files = None  # a hub model's are not listed
+    if os.path.isdir(path):
+        files = os.listdir(path)
+    heads = {"causal LM": ("ForCausalLM", "LMHeadModel"), "sequence classifier": ("ForSequenceClassification",)}
+    problem = None
+    if kind in heads and not any(a.endswith(heads[kind]) for a in archs):
+        problem = f"is a {archs or config.model_type}, not a {kind}"
+    elif kind == "sequence classifier" and config.num_labels != 1:
+        problem = f"has {config.num_labels} labels, not one (num_labels=1)"
+    elif files is not None and not any(f.endswith((".safetensors", ".bin")) for f in files):
+        problem = "holds a config but no weights (no *.safetensors or *.bin file)"
+    elif files is not None and kind == "causal LM" and not {"tokenizer.json", "tokenizer_config.json"} & set(files):
+        problem = "has no tokenizer (no tokenizer.json or tokenizer_config.json)"
+    if problem:
+        raise SystemExit(f"{what} '{path}' {problem}; pass a {kind} that save_pretrained wrote, with its tokenizer.")
+    return config
+
+
+@functools.cache
+def reachable(url):
+    """Whether url's server answers within seconds (the hub, wandb), so that without a network a run says so at once."""
+    try:
+        socket.create_connection((urlparse(url).hostname, urlparse(url).port or 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_model(model_class, path, args, device, trained, **kwargs):
+    """from_pretrained with every choice explicit, then autocast, checkpointing, LoRA and FSDP2 as asked."""
+    dtype = torch.bfloat16 if args.mixed_precision and not trained else getattr(torch, args.model_dtype)  # frozen: bf16
+    model = model_class.from_pretrained(path, dtype=dtype, use_kernels=False, **kwargs).to(device).eval()
+    if args.hub_kernels:  # once on its device: on the CPU, at load time, nothing is replaced
+        from kernels import Mode
+
+        model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
+    model.requires_grad_(trained)
+    if args.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy under torchrun
+        model.forward = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)(model.forward)
+        for module in model.modules():
+            if type(module).__name__.endswith("RotaryEmbedding"):
+                module.register_forward_hook(rotary_in_bf16)
+    if args.gradient_checkpointing and trained:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if not blocks:
+            raise SystemExit(f"'{path}' has no blocks transformers 5 can checkpoint; drop --gradient_checkpointing.")
+        for block in blocks:  # recomputed only in training mode: the blocks alone, their layers stay in eval mode
+            block.training = True
+    if args.lora_r and trained:  # the base frozen, the adapters (and a classifier's head) trained
+        from peft import get_peft_model
+
+        task_type = "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS"
+        model = get_peft_model(model, lora_config(args, task_type)).eval()
+    if dist.is_initialized() and (trained or not args.replicate_frozen):
+        shard(model, args)
+    return model
+
+
+def rotary_in_bf16(rotary, inputs, cos_sin):
+    """A hook on a rotary embedding under autocast: its cos and sin in bf16, as FSDP2's policy makes them, so that the
+    keys are bf16 too (a float32 trunk makes them float32: a cache 1.5x as large, cast to bf16 at every step)."""
+    return tuple(x.to(torch.bfloat16) for x in cos_sin)
+
+
+def lora_config(args, task_type):
+    """The adapters of --lora_r (peft)."""
+    from peft import LoraConfig
+
+    targets = "all-linear" if args.lora_target_modules == ("all-linear",) else list(args.lora_target_modules)
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        task_type=task_type,
+    )
+
+
+def adapter_dropout(models, *, on):
+    """--lora_dropout, the one exception to eval mode, on for the update alone (first ratios then 1 on average)."""
+    for model in models:
+        for name, module in model.named_modules():
+            if "lora_dropout" in name.split(".") and isinstance(module, torch.nn.Dropout):
+                module.train(on)
+
+
+class AdaptersOff(torch.nn.Module):
+    """The reference under LoRA: the policy with its adapters off (held outside the registry: no weights of its own)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def forward(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+
+def load_reference(args, policy, device):
+    """The frozen reference: a second copy of the starting policy, or under LoRA the policy with its adapters off."""
+    if args.lora_r:
+        return AdaptersOff(policy)
+    return load_model(AutoModelForCausalLM, args.model_name_or_path, args, device, trained=False)
+
+
+def lora_policy_to_save(weights, args):
+    """Under LoRA, the policy to save: the base with the adapters merged in, or --save_adapters_only's adapters."""
+    from peft import get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(
+        args.model_name_or_path, dtype=getattr(torch, args.model_dtype), use_kernels=False
+    )
+    model = get_peft_model(base, lora_config(args, "CAUSAL_LM"))
+    model.load_state_dict(weights)
+    if args.save_adapters_only:
+        return model
+    return model.merge_and_unload()
+
+
+def load_reward_models(args, tokenizer, device):
+    """(frozen reward model, its own tokenizer) pairs, the tokenizer None where it reads the policy's tokens."""
+    pairs = []
+    for path in args.reward_model_path:
+        try:
+            own = AutoTokenizer.from_pretrained(path, padding_side="left")
+        except (OSError, ValueError, TypeError):  # none saved: transformers raises, or builds one of special tokens
+            own = None
+        if own is not None and (
+            set(own.get_vocab()) <= set(own.all_special_tokens) or own.get_vocab() == tokenizer.get_vocab()
+        ):
+            own = None
+        if own is not None and own.pad_token_id is None:
+            own.pad_token = own.eos_token or own.unk_token
+        reads = own or tokenizer
+        n = AutoConfig.from_pretrained(path).vocab_size  # checked before the weights load
+        largest = max(reads.get_vocab().values())  # not len(): a vocabulary's ids need not start at 0 or be dense
+        if reads.pad_token_id is None or largest >= n:  # a token to pad with, and ids the model can embed
+            raise SystemExit(
+                f"the tokenizer beside --reward_model_path '{path}' has no pad, EOS or unk token, or ids "
+                f"past the model's {n} embeddings (its largest is {largest}); save the one it was trained with "
+                "beside it."
+            )
+        model = load_model(AutoModelForSequenceClassification, path, args, device, trained=False, num_labels=1)
+        model.config.pad_token_id = reads.pad_token_id
+        pairs.append((model, own))
+    return pairs
+
+
+# ---- FSDP2
+def shard(model, args):
+    """FSDP2 over all processes, a unit per transformer block; gradients summed, as each loss is a share of one."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]  # as each model names them
+    for module in blocks + [model]:
+        fully_shard(module, mp_policy=bf16 if args.mixed_precision else MixedPrecisionPolicy())
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-scaled one)
+
+
+def hold_full_parameters(model, *, hold):
+    """While sampling, an FSDP2 policy holds its blocks gathered: one all-gather per rollout, not per token."""
+    if isinstance(model, FSDPModule):
+        model.set_reshard_after_forward(not hold)  # for every unit
+        if not hold:
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+
+def megabytes_held(models, optimizers):
+    """What this process holds of the models' parameters and the optimisers' states, in MB (its FSDP2 shards)."""
+    states = [x for o in optimizers for s in o.state.values() for x in s.values() if torch.is_tensor(x)]
+    tensors = [p for m in models for p in m.parameters()] + states
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors) / 2**20
+
+
+def gather_rows(tensors):
+    """The whole rollout on every process: each tensor's rows of all processes, right-padded with zeros (masked)."""
+    if not dist.is_initialized():
+        return tensors
+    widths = torch.tensor([x.shape[-1] for x in tensors.values()], device=next(iter(tensors.values())).device)
+    dist.all_reduce(widths, op=dist.ReduceOp.MAX)
+    gathered = {}
+    for (key, x), width in zip(tensors.items(), widths.tolist()):
+        x = torch.nn.functional.pad(x, (0, width - x.shape[-1]) if x.dim() > 1 else (0, 0)).contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x)
+        gathered[key] = torch.cat(parts)
+    return gathered
+
+
+# ---- batches: left padding, each process's draws, micro-batches cut to the columns they use, position ids, heads
+def left_pad(sequences, pad_token_id, device, width=None):
+    """Token lists to a left-padded (B, width) tensor (width: the longest by default) and its attention mask."""
+    if width is None:
+        width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id)
+    mask = torch.zeros(len(sequences), width, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, width - len(s) :] = torch.tensor(s)
+        mask[i, width - len(s) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def row_uniforms(rng, rows, args, rank):
+    """This process's rows of uniforms drawn for all: a response never depends on the number of processes."""
+    return torch.rand(rows * args.world_size, args.response_length, generator=rng)[rank * rows : (rank + 1) * rows]
+
+
+def by_length(rows, attention_mask):
+    """The rows (n,) shortest first, so that each micro-batch holds similar lengths and cut_padding cuts it more."""
+    return rows[attention_mask[rows].sum(1).argsort(stable=True)]
+
+
+def cut_padding(batch, P):
+    """A micro-batch of (B, P + T), (B, T) and (B,) tensors without the columns none of its rows uses, and its new P:
+    the real tokens keep their position ids, so every forward gives them the same outputs."""
+    L = batch["attention_mask"].shape[1]
+    start, last = batch["attention_mask"].any(0).nonzero()[[0, -1], 0].tolist()  # the first and last used columns
+    cut = {}
+    for key, x in batch.items():
+        if x.dim() == 1:  # (B,): one value per row
+            cut[key] = x
+        elif x.shape[1] == L:  # (B, P + T): the prompt's columns and the response's
+            cut[key] = x[:, start : last + 1]
+        else:  # (B, T): the response's columns alone
+            cut[key] = x[:, : last + 1 - P]
+    return cut, P - start
+
+
+def in_chunks(forward, size, input_ids, attention_mask, P):
+    """A no-grad forward(ids, mask, P') -> (b, T') over the rollout in cut chunks of size rows, similar lengths
+    together (B x L x V logits at once would dwarf training's): (B, T), 0 past each chunk's T'."""
+    out = torch.zeros(input_ids.shape[0], input_ids.shape[1] - P, device=input_ids.device)  # (B, T)
+    for rows in by_length(torch.arange(len(input_ids), device=input_ids.device), attention_mask).split(size):
+        chunk, p = cut_padding(dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows]), P)
+        out[rows, : chunk["input_ids"].shape[1] - p] = forward(chunk["input_ids"], chunk["attention_mask"], p)
+    return out
+
+
+def position_ids_from(attention_mask):
+    """Left padding shifts every prompt; positions (B, L) count real tokens only."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def head_outputs(model, input_ids, attention_mask):
+    """A sequence classifier's scalar head at every position (B, L): the critic's values, or the reward model's score
+    at the last token. A hook keeps every position's (the classifier returns one), the call going through FSDP."""
+    kept = []
+
+    def keep(module, inputs, output):
+        kept.append(output)
+
+    hook = model.score.register_forward_hook(keep)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
+    hook.remove()
+    return kept[0].squeeze(-1).float()  # (B, L)
+
+
+# ---- static cache and CUDA graphs
+STATIC_DECODERS = {}  # (policy, batch, sampling settings) -> StaticDecoder, kept from call to call
+
+
+def static_decode(policy, cache, logits, prompt_mask, sampling, uniforms):
+    """generate's decode steps from its prefill on buffers of fixed shape: a StaticDecoder per batch size, grown."""
+    B, P = prompt_mask.shape
+    T = sampling.max_new_tokens
+    graphs = sampling.decode == "cuda_graph" and logits.is_cuda
+    key = (policy, B, T, sampling.pad_token_id, torch.as_tensor(sampling.stop_ids).numel(), graphs)
+    if key not in STATIC_DECODERS or STATIC_DECODERS[key].width < P + T:
+        STATIC_DECODERS.pop(key, None)  # the narrower one's memory goes before the wider one's comes
+        width = -(-(P + T) // 64) * 64
+        STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, sampling, graphs)
+    return STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, sampling.temperature)
+
+
+class StaticDecoder:
+    """generate's decode steps on buffers allocated once, counters on the device: on CUDA a step is one CUDA graph."""
+
+    def __init__(self, policy, logits, width, sampling, graphs):
+        B = logits.shape[0]
+        device = logits.device
+        max_new_tokens = sampling.max_new_tokens
+        self.width = width
+        self.cache = StaticCache(config=policy.config, max_cache_len=width)
+        self.pad_token_id = sampling.pad_token_id
+        self.capture = graphs  # whether to capture each step as a CUDA graph
+        self.graphs = {}  # (temperature, greedy) -> the captured step, or None where the capture failed
+        self.logits = torch.zeros_like(logits)  # (B, V) the next token is drawn from
+        self.stop_ids = torch.as_tensor(sampling.stop_ids, device=device).view(-1).clone()  # (S,), from one id too
+        self.uniforms = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
+        long = dict(dtype=torch.long, device=device)
+        self.attention_mask = torch.zeros(B, width, **long)  # (B, W) the columns in use
+        self.position = torch.zeros(B, 1, **long)  # (B, 1) of the token fed next
+        self.step = torch.zeros(1, **long)  # t, the token drawn next
+        self.column = torch.zeros(1, **long)  # P + t, its column
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+        self.tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, T)
+        self.logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)  # (B, T)
+        self.masks = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # (B, T)
+
+    def run(self, policy, cache, logits, prompt_mask, uniforms, temperature):
+        """The steps from generate's prefill on, for prompts (B, P); returns what generate returns."""
+        P = prompt_mask.shape[1]
+        self.cache.reset()  # in place: the captured steps read these very tensors
+        for i, layer in enumerate(cache.layers):  # the prompt's keys and values fill the first P columns
+            self.cache.update(layer.keys, layer.values, i)
+        self.logits.copy_(logits)
+        if uniforms is not None:
+            self.uniforms.copy_(uniforms)
+        self.attention_mask.zero_()[:, :P] = prompt_mask
+        self.position.copy_(position_ids_from(prompt_mask)[:, -1:] + 1)
+        self.step.zero_()
+        self.column.fill_(P)
+        self.done.zero_()
+        every = 8 if logits.is_cuda else 1  # the stop test is a host sync: on CUDA every 8 steps (pads fed meanwhile)
+        for step in range(self.tokens.shape[1]):
+            self.advance(policy, (temperature, uniforms is None))
+            if (step + 1) % every == 0 and self.done.all():
+                break
+        T = int(self.masks[:, : step + 1].sum(1).max())  # the dynamic loop stops after the last live row's stop
+        hold_full_parameters(policy, hold=False)
+        return self.tokens[:, :T].clone(), self.logprobs[:, :T].clone(), self.masks[:, :T].long()
+
+    def advance(self, policy, mode):
+        """One step of mode (temperature, greedy): replayed where it was captured, else run op by op (on CUDA,
+        captured after its first run)."""
+        if self.graphs.get(mode) is not None:
+            self.graphs[mode].replay()
+            return
+        if not self.capture or mode in self.graphs:  # no capture here, or it failed
+            self.step_once(policy, *mode)
+            return
+        # one step op by op on the capture's stream (Triton compiles, cuBLAS sets up), then the capture: it runs nothing
+        self.graphs[mode] = None  # until the capture succeeds
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.step_once(policy, *mode)
+        found = torch.cuda.current_stream()
+        found.wait_stream(stream)
+        try:
+            with torch.cuda.graph(graph, stream=stream):
+                self.step_once(policy, *mode)
+            self.graphs[mode] = graph
+        except RuntimeError as e:  # a layer that reads a value on the host (a routed MoE's expert list, say)
+            warnings.warn(
+                f"the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); it runs "
+                "op by op, as with --decode static.",
+                stacklevel=2,
+            )
+        finally:  # a failed capture leaves its stream the current one (torch.cuda.graph's exit stops at the error)
+            torch.cuda.set_stream(found)
+
+    def step_once(self, policy, temperature, greedy):
+        """Draw every row's token t, record it, and feed it to the policy: the body of generate's loop."""
+        uniforms = None if greedy else self.uniforms.index_select(1, self.step)[:, 0]  # (B,)
+        token, logprob = sample_token(self.logits, uniforms, temperature)
+        fed = torch.where(self.done, self.pad_token_id, token)  # (B,) pad tokens after a row's stop
+        self.masks.index_copy_(1, self.step, ~self.done[:, None])
+        self.tokens.index_copy_(1, self.step, fed[:, None])
+        self.logprobs.index_copy_(1, self.step, torch.where(self.done, 0.0, logprob)[:, None])
+        self.done |= (token[:, None] == self.stop_ids).any(-1)  # isin, without the sort a capture may not hold
+        self.attention_mask.index_fill_(1, self.column, 1)
+        out = policy(
+            input_ids=fed[:, None],
+            attention_mask=self.attention_mask,
+            position_ids=self.position,
+            cache=self.cache,
+            use_cache=True,
+        )
+        self.logits.copy_(out.logits[:, -1])
+        for counter in (self.position, self.step, self.column):
+            counter.add_(1)
+
+
+# ---- data
+def read_rows(path, split, args):
+    """The rows (dicts) of a local .json/.jsonl, .csv/.tsv (every cell text) or .parquet file, compressed or not, read
+    as written (no cache, no pattern: the path is the file), or of a hub dataset."""
+    local = re.search(r"\.(jsonl?|csv|tsv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
+    if local and not os.path.isfile(path):
+        what = "is a folder" if os.path.isdir(path) else "does not exist"
+        raise SystemExit(
+            f"dataset file '{path}' {what}; pass a "
+            f'file of {{"{args.prompt_field}": ...}} rows (.jsonl, .csv, .tsv, .parquet) or a hub dataset.'
+        )
+    if not local:
+        return read_hub_rows(path, split, args)
+    import bz2  # the readers of compressed and tabular files, needed here alone
+    import csv
+    import gzip
+    import io
+    import lzma
+
+    kind = local[1].lower()
+    compression = (local[2] or "").lower()
+    if compression == ".zst":
+        raise SystemExit(
+            f"dataset file '{path}' is compressed with zstd, which Python does not read without a package; "
+            "decompress it (zstd -d), or compress it with gzip, bzip2 or xz."
+        )
+    raw = pathlib.Path(path).read_bytes()
+    decompress = {".gz": gzip.decompress, ".bz2": bz2.decompress, ".xz": lzma.decompress}
+    if compression:
+        try:
+            raw = decompress[compression](raw)
+        except (OSError, EOFError, lzma.LZMAError) as e:  # a file cut short, or of another kind
+            raise SystemExit(f"dataset file '{path}' is not a whole {compression} file ({e}); check it.") from None
+    if kind == "parquet":
+        import pyarrow.parquet  # datasets' own reader of parquet
+
+        try:
+            return pyarrow.parquet.read_table(io.BytesIO(raw)).to_pylist()
+        except Exception as e:  # pyarrow's errors are its own
+            raise SystemExit(
+                f"dataset file '{path}' could not be loaded ({type(e).__name__}: {e}); check its contents."
+            ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise SystemExit(
+            f"line {line} of '{path}' is not UTF-8 text (byte {raw[e.start]:#04x}); save it as UTF-8."
+        ) from None
+    if kind in ("csv", "tsv"):  # every cell as text, as a .jsonl's strings: "119" stays "119", "N/A" stays "N/A"
+        delimiter = "," if kind == "csv" else "\t"
+        reader = csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""), delimiter=delimiter)
+        rows = []
+        try:
+            header = next(reader, [])
+            for cells in reader:
+                if cells and len(cells) != len(header):
+                    raise SystemExit(
+                        f"line {reader.line_num} of '{path}' has {len(cells)} cells and its header "
+                        f"{len(header)}; fix that line (a cell holding {delimiter!r} goes in double quotes)."
+                    )
+                if cells:
+                    rows.append(dict(zip(header, cells)))
+        except csv.Error as e:
+            raise SystemExit(f"line {reader.line_num} of '{path}' cannot be read ({e}); fix that line.") from None
+        return rows
+    whole = kind == "json" and text.lstrip().startswith("[")  # one JSON list, else an object a line
+    lines = text.splitlines()
+    if whole:
+        lines = [text]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            parsed = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(
+                f"line {number + e.lineno - 1} of '{path}' is not valid JSON ({e.msg}); fix that line."
+            ) from None
+        if whole:
+            rows.extend(parsed)
+        else:
+            rows.append(parsed)
+    return rows
+
+
+def read_hub_rows(name, split, args):
+    """The rows (dicts) of a hub dataset's split."""
+    from datasets import load_dataset
+
+    try:
+        return list(load_dataset(name, args.dataset_config, split=split))
+    except Exception as e:  # datasets wraps a file's errors in its own
+        raise SystemExit(
+            f"hub dataset '{name}' could not be loaded ({type(e).__name__}: {e}); check its name, the split "
+            f"'{split}', --dataset_config {args.dataset_config} and the network."
+        ) from None
+
+
+def load_prompts(path, split, args, tokenizer):
+    """A dataset's prompts tokenised once and its rows (dicts), every row checked before any model loads."""
+    rows = read_rows(path, split, args)
+    if len(rows) == 0:
+        raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
+    for n, row in enumerate(rows, 1):
+        has = list(row) if isinstance(row, dict) else []
+        if args.prompt_field not in has:
+            raise SystemExit(
+                f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
+                f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts."
+            )
+        answer = row.get(args.answer_field)
+        if REWARD_FNS.keys() & set(args.reward_fn) and answer is None:  # yours may need none
+            raise SystemExit(
+                f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
+                f"'{path}' has no (or a null) '{args.answer_field}' (it has {has}); pass --answer_field."
+            )
+        if REWARD_FNS.keys() & set(args.reward_fn) and not isinstance(answer, (str, int, float)):  # not its repr
+            raise SystemExit(
+                f"row {n} of '{path}' has a {type(answer).__name__} as its '{args.answer_field}' ({answer!r:.80}); "
+                "the built-in rules compare text or a number: store the answer as one."
+            )
+        prompt = row[args.prompt_field]
+        is_chat = (
+            isinstance(prompt, list)
+            and len(prompt) > 0
+            and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        )
+        if not isinstance(prompt, str) and not is_chat:
+            raise SystemExit(
+                f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
+                'a list of {"role", "content"} messages.'
+            )
+        if isinstance(prompt, str):
+            empty = not prompt.strip()
+        else:
+            empty = not any(str(m["content"]).strip() for m in prompt)
+        if empty:
+            raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row.")
+        if re.search("[\ud800-\udfff]", str(prompt)):  # half of a UTF-16 pair, which no tokenizer reads
+            raise SystemExit(f"row {n} of '{path}' holds a lone surrogate (half of a UTF-16 pair); fix its text.")
+        if (is_chat or args.chat_template) and tokenizer.chat_template is None:
+            raise SystemExit(
+                f"row {n} of '{path}' needs a chat template, but the tokenizer of "
+                f"'{args.model_name_or_path}' has none; save one with it, or drop --chat_template."
+            )
+    texts = []
+    for row in rows:  # chat messages (with --chat_template, every prompt) through the template
+        prompt = row[args.prompt_field]
+        if isinstance(prompt, str) and args.chat_template:
+            prompt = [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, str):
+            prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        texts.append(prompt)
+    prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    too_long = [i for i, p in enumerate(prompts) if len(p) > args.max_prompt_length]
+    if too_long and not args.truncate_prompts:
+        longest = max(too_long, key=lambda i: len(prompts[i]))
+        raise SystemExit(
+            f"{len(too_long)} prompts of '{path}' are longer than --max_prompt_length "
+            f"{args.max_prompt_length} (the first is row {too_long[0] + 1}; the longest, row "
+            f"{longest + 1}, has {len(prompts[longest])} tokens); raise it, or pass --truncate_prompts."
+        )
+    if too_long:
+        warnings.warn(f"{len(too_long)} prompts were cut to their last {args.max_prompt_length} tokens.", stacklevel=2)
+        prompts = [p[-args.max_prompt_length :] for p in prompts]
+    if min(map(len, prompts)) == 0:  # text the tokenizer makes nothing of
+        raise SystemExit(f"row {[len(p) for p in prompts].index(0) + 1} of '{path}' is a prompt of no tokens; drop it.")
+    return prompts, rows
+
+
+def stop_token_ids(tokenizer, path):
+    """The tokens that end a response: the EOS, the generation_config's, and the chat template's end of turn."""
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # the model has no generation_config.json
+        eos = None
+    if not isinstance(eos, list):
+        eos = [eos]
+    ids = {tokenizer.eos_token_id} | set(eos) - {None}
+    if tokenizer.chat_template is not None:
+        turns = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+        try:  # a template that raises, or that leaves the answer out (no "2")
+            text = tokenizer.apply_chat_template(turns, tokenize=False)
+            after = tokenizer(text[text.rindex("2") + 1 :], add_special_tokens=False)["input_ids"]
+        except Exception as e:
+            raise SystemExit(
+                f"the chat template of '{path}' fails on a user turn and its answer ({type(e).__name__}: "
+                f"{e}); fix it (tokenizer_config.json), or pass a tokenizer without one."
+            ) from None
+        if after and after[0] in tokenizer.added_tokens_decoder and tokenizer.added_tokens_decoder[after[0]].special:
+            ids.add(after[0])
+    return torch.tensor(sorted(ids))
+
+
+def held_out_dataset(args):
+    """--eval_dataset, else the test.jsonl beside a local train.jsonl --dataset; None with --eval_every 0 or none."""
+    if args.eval_every == 0:
+        return None
+    if args.eval_dataset:
+        return args.eval_dataset
+    beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
+    if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside):
+        return beside
+    return None
+
+
+def next_prompts(prompts, position, args, rank):
+    """This process's prompts (dataset indices) from one shuffled order per epoch, the longest on any process, and
+    the position (data epoch, cursor) after them: position is where the last draw left off."""
+    epoch, cursor = position
+    if cursor + args.rollout_batch_size > len(prompts):
+        epoch += 1
+        cursor = 0
+    shuffle = torch.Generator().manual_seed(args.seed + epoch)
+    order = torch.randperm(len(prompts), generator=shuffle).tolist()
+    batch = [order[(cursor + i) % len(prompts)] for i in range(args.rollout_batch_size)]  # for all
+    local_batch = args.rollout_batch_size // args.world_size
+    mine = batch[rank * local_batch : (rank + 1) * local_batch]
+    return mine, max(len(prompts[i]) for i in batch), (epoch, cursor + args.rollout_batch_size)
+
+
+# ---- rewards and evaluation
+@dataclass
+class Scorer:
+    """What scores a response: the reward models, each with its own tokenizer (None where it reads the policy's
+    tokens), the rules as (--reward_fn, its function or process), and the policy's tokenizer that decodes them."""
+
+    reward_models: list
+    reward_fns: list
+    tokenizer: object
+
+
+@dataclass
+class Scores:
+    """What score_responses returns for a batch of B responses."""
+
+    raw: torch.Tensor  # (B,) the reward models' minimum plus the rules' weighted sum, failed rewards replaced
+    metrics: dict  # {metric key: (B,)} the rules' weighted sum, and each rule's scores when there are several
+    texts: list  # the responses as text
+    failed: int  # how many responses' rewards failed
+
+
+@torch.no_grad()
+def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None):
+    """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
+    plus the rules' weighted sum. A failed reward is a reason to stop (in stops), or replaced (--on_reward_error)."""
+    texts = scorer.tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
+    last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
+    size = args.micro_batch_size
+    rm_scores = []  # K x (B,)
+    for reward_model, own_tokenizer in scorer.reward_models:
+        if own_tokenizer is None:  # the policy's tokens: the head at every position, read at the last token
+            values = in_chunks(
+                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, p:], size, input_ids, attention_mask, P
+            )  # (B, T)
+            rm_scores.append(values[torch.arange(len(texts)), last])
+        else:  # the prompt and the text in its own tokens, left-padded: the last column is every row's last token
+            prompts = [row[args.prompt_field] for row in rows]
+            ids, mask = reward_model_inputs(own_tokenizer, prompts, texts, input_ids.device)
+            last_column = in_chunks(
+                lambda i, m, p, rm=reward_model: head_outputs(rm, i, m)[:, -1:], size, ids, mask, ids.shape[1] - 1
+            )  # (B, 1)
+            rm_scores.append(last_column[:, 0])
+    rules = {}  # {name: (B,) its scores, nan where it failed}
+    failures = []  # (--reward_fn, its scores, why) of each rule that failed
+    answers = [row.get(args.answer_field) for row in rows]
+    for spec, fn in scorer.reward_fns:
+        scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
+        rules[spec.rpartition(":")[2]] = torch.tensor(scores, device=input_ids.device)
+        if reason is not None:
+            failures.append((spec, scores, reason))
+    rule_reward = None  # (B,) the rules' weighted sum
+    if rules:
+        weights = args.reward_weights or [1.0] * len(rules)
+        rule_reward = functools.reduce(torch.add, [w * x for w, x in zip(weights, rules.values())])
+    score = combine_scores(rm_scores, rule_reward)
+    why = first_rule_failure(score, failures, several=len(rules) > 1)
+    prompt_ids = input_ids[:, :P]
+    score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
+    metrics = {}
+    if rules:
+        metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
+    if len(rules) > 1:
+        for name, x in rules.items():
+            metrics[f"reward/{name}"] = x.nan_to_num(0.0)
+    return Scores(score, metrics, texts, failed)
+
+
+def replace_failed_scores(score, why, texts, tokenizer, prompt_ids, args, stops):
+    """Scores (B,) that are not finite: a reason to stop (in stops; none given: raised), or with --on_reward_error
+    penalty put below the batch's lowest. why says what failed (None: a score is not finite). Returns (B,), count."""
+    bad = ~torch.isfinite(score)
+    if not bad.any() or any(isinstance(r, int) for r in stops or ()):  # after a stop signal the batch goes unused
+        return score, 0
+    if why is None:
+        why = "not a finite number"
+    i = bad.nonzero()[0, 0].item()
+    which = f"the response {texts[i]!r} to the prompt {tokenizer.decode(prompt_ids[i], skip_special_tokens=True)!r}"
+    if args.on_reward_error == "penalty" and not bad.all():
+        return torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score), int(bad.sum())
+    if args.on_reward_error == "stop":
+        failure = (
+            f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
+            "such responses below the rest of the batch."
+        )
+    else:  # every response failed: no valid score to put them below
+        failure = f"every response of the batch failed its reward ({which} is {why}); fix the reward function."
+    if stops is None:
+        raise SystemExit(failure)
+    stops.append(failure)
+    return score, int(bad.sum())
+
+
+def distinct_n(sequences, n):
+    """Distinct-n: unique n-grams over all n-grams in a batch of token lists (1.0 = no repetition)."""
+    ngrams = [tuple(s[i : i + n]) for s in sequences for i in range(len(s) - n + 1)]
+    return len(set(ngrams)) / max(len(ngrams), 1)
+
+
+def arithmetic_reward(responses, answers):
+    """Rule reward: 1 when the response, stripped, is exactly the answer, else 0."""
+    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+
+
+def last_number(text):
+    """The last number written in a text ('1,234', '-5', '2.50'), as a float; None when there is none."""
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    if not numbers:
+        return None
+    return float(numbers[-1].replace(",", ""))
+
+
+def gsm8k_reward(responses, answers):
+    """Rule reward for GSM8K: 1 when the response's last number is the reference's final one (after '####')."""
+    truths = [last_number(str(a).split("####")[-1]) for a in answers]
+    return [float(last_number(r) is not None and last_number(r) == t) for r, t in zip(responses, truths)]
+
+
+REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
+
+
+def load_reward_fn(spec):
+    """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function,
+    fn(texts, answers) -> a float each, loaded in a RewardProcess of its own."""
+    if spec in REWARD_FNS:
+        return REWARD_FNS[spec]
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise SystemExit(
+            f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
+            "path/to/file.py:function or package.module:function."
+        )
+    return reward_process(spec)
+
+
+@functools.cache  # one process per function: the argument check starts it, the run uses it
+def reward_process(spec):
+    """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process:
+    every one stops, rank 0 says it)."""
+    process = RewardProcess(spec)
+    errors = [e for e in all_processes(process.start()) if e]
+    if errors:
+        raise SystemExit(errors[0])
+    return process
+
+
+class RewardProcess:
+    """Your --reward_fn, run in a fresh interpreter (never a fork of this one, whose other threads may hold locks) in
+    a process group of its own, that a timeout or a stop kills whole, with whatever the function started; started
+    again at the next call. It ends with the trainer."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.process = None
+        self.connection = None
+
+    def start(self):
+        """Starts the process and loads the function there: None, or the one sentence that says why it cannot."""
+        ours, theirs = multiprocessing.Pipe()
+        command = [sys.executable, "-u", "-c", f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], start_new_session=True
+        )
+        theirs.close()
+        self.connection = ours
+        try:
+            ours.send((sys.path, self.spec))
+            error = ours.recv()
+        except (EOFError, OSError):  # os._exit() at import, a crash
+            error = f"--reward_fn {self.spec}: the process loading it ended (exit code {self.process.wait()}); fix it."
+        if error:
+            self.kill()
+        return error
+
+    def call(self, texts, answers, timeout, stops):
+        """reward_reply's answer from the process, or ("timeout", why) after timeout seconds (0: no limit), or
+        ("stopped", None) as soon as stops holds a signal: then the process group is killed."""
+        if stops and any(isinstance(r, int) for r in stops):  # the run is stopping: no call begins
+            return "stopped", None
+        if self.process is None:
+            error = self.start()
+            if error:
+                return "raised", error
+        try:
+            self.connection.send((texts, answers))
+        except OSError:  # it ended since the last call (killed from outside): a broken pipe, a reset connection
+            return "raised", f"the process running it ended (exit code {self.kill()})"
+        end = time.monotonic() + timeout
+        while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
+            if stops and any(isinstance(r, int) for r in stops):
+                self.kill()
+                return "stopped", None
+            if timeout and time.monotonic() > end:
+                self.kill()
+                return "timeout", f"no answer within --reward_timeout {timeout:g} s"
+        try:
+            return self.connection.recv()
+        except (EOFError, OSError):  # os._exit() in the function, a crash, a kill from outside
+            return "raised", f"the process running it ended (exit code {self.kill()})"
+
+    def kill(self):
+        """Kills the process group: the process and what its function started (unless that left the group)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # every member had ended
+            pass
+        code = self.process.wait()
+        self.process.stdin.close()
+        self.connection.close()
+        self.process = None
+        return code
+
+
+@functools.cache  # read once, at the checks: the file may be edited or replaced while the run goes on
+def reward_process_code():
+    """The reward process's program: the functions of this file that it runs, as they were when the run began."""
+    shipped = (reward_module, resolve_reward_fn, reward_reply, end_with_the_trainer, serve_rewards)
+    return "\n".join([REWARD_PROCESS_IMPORTS, *map(inspect.getsource, shipped)])
+
+
+REWARD_PROCESS_IMPORTS = (
+    "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
+)
+
+
+def reward_module(path):
+    """In the reward process: a user's reward file as a module named after its stem and resolved path, so that it
+    shadows nothing (a math.py, two grader.py); in sys.modules for a forked pool, its folder last on sys.path."""
+    resolved = os.path.realpath(path)
+    name = f"{pathlib.Path(path).stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:12]}"
+    sys.path.append(os.path.dirname(resolved))  # for the modules beside it
+    found = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module
+    found.loader.exec_module(module)
+    return module
+
+
+def resolve_reward_fn(spec):
+    """In the reward process: (the function spec names, None), or (None, the one sentence that says why not)."""
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            module = reward_module(where)
+        else:
+            module = pkgutil.resolve_name(where)
+    except BaseException as e:  # sys.exit() at import too
+        return None, (
+            f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the "
+            "module's name and that it is importable from here."
+        )
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        return None, f"--reward_fn {spec}: '{where}' has no function '{name}'; name one it defines."
+    try:
+        inspect.signature(fn).bind(["a response"], ["its answer"])
+    except TypeError:
+        return None, (
+            f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, answers); it "
+            "must take the response texts and their answers and return a score each."
+        )
+    except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
+        pass
+    return fn, None
+
+
+def reward_reply(fn, texts, answers):
+    """fn(texts, answers) as ("scores", a float or None each: a generator consumed here), ("returned", the type's
+    name) when that is not a sequence of scores, or ("raised", "Type: message")."""
+    try:
+        got = fn(list(texts), list(answers))  # copies: it may change them
+        if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):
+            return "returned", type(got).__name__
+        scores = []
+        for x in got:
+            if x is None:
+                scores.append(None)
+            else:
+                scores.append(float(x))
+        return "scores", scores
+    except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
+        return "raised", f"{type(e).__name__}: {e}"
+
+
+def end_with_the_trainer(fd):
+    """In the reward process, before any reward code: a forked watcher that kills the process group once the
+    trainer's end of stdin closes (it ended, however). A thread would make every later fork (a pool) a risk."""
+    if os.fork() == 0:
+        os.close(fd)  # the trainer's connection: its end is seen to close when the reward process ends
+        os.read(0, 1)
+        os.killpg(0, signal.SIGKILL)
+
+
+def serve_rewards(fd):
+    """The reward process: loads the function, says whether it could, then answers each (texts, answers) sent."""
+    end_with_the_trainer(fd)
+    connection = multiprocessing.connection.Connection(fd)
+    search_path, spec = connection.recv()
+    sys.path[:] = search_path  # the trainer's: its modules found as they would be there
+    fn, error = resolve_reward_fn(spec)
+    connection.send(error)
+    while fn is not None:
+        try:
+            texts, answers = connection.recv()
+        except EOFError:  # the trainer ended
+            return
+        connection.send(reward_reply(fn, texts, answers))
+
+
+def first_rule_failure(score, failures, several):
+    """Why the first response whose score (B,) failed did: the first rule of failures (--reward_fn, its scores, why)
+    that failed on it, named when there are several rules; None when none did (a reward model's score)."""
+    bad = (~torch.isfinite(score)).nonzero()
+    if len(bad) == 0:
+        return None
+    for spec, scores, reason in failures:
+        if not math.isfinite(scores[bad[0, 0]]):
+            if several:
+                return f"{reason} (--reward_fn {spec})"
+            return reason
+    return None
+
+
+def reward_call(reward_fn, texts, answers, timeout, stops):
+    """reward_reply's answer: a built-in rule's from here, yours from its RewardProcess."""
+    if isinstance(reward_fn, RewardProcess):
+        return reward_fn.call(texts, answers, timeout, stops)
+    return reward_reply(reward_fn, texts, answers)
+
+
+def call_reward_fn(reward_fn, texts, answers, timeout, stops=None):
+    """A rule's scores, nan where it gave none, and why it failed (None when nothing did). When the batch's call
+    raises, each response is scored alone, so that the error is pinned on one."""
+    failed = [float("nan")] * len(texts)
+    kind, got = reward_call(reward_fn, texts, answers, timeout, stops)
+    if kind == "stopped":
+        return failed, "stopped by a signal"
+    if kind == "timeout":  # each response alone could hang as long
+        return failed, f"an error (TimeoutError: {got})"
+    if kind == "raised":
+        return score_each_alone(reward_fn, texts, answers, timeout, got, stops)
+    if kind == "returned":  # one float per response, nothing else
+        return failed, f"nan: the batch's call returned a {got} for {len(texts)} responses"
+    if len(got) != len(texts):
+        return failed, f"nan: the batch's call returned {len(got)} scores for {len(texts)} responses"
+    if None in got:  # TRL's "does not apply" is not taken: every response needs a score
+        scores = [float("nan") if x is None else x for x in got]
+        return scores, "None (TRL's 'does not apply' is not taken here: return a float for every response)"
+    large = [x for x in got if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
+    if large:
+        return got, f"{large[0]:g}, past float32's range"
+    if not all(math.isfinite(x) for x in got):
+        return got, "not a finite number"
+    return got, None
+
+
+def score_each_alone(reward_fn, texts, answers, timeout, batch_error, stops):
+    """call_reward_fn's scores and reason when the batch's call raised batch_error: each response alone, until the
+    first that times out (the rest could hang as long) or a stop."""
+    scores = [float("nan")] * len(texts)
+    errors = []
+    for i, (text, answer) in enumerate(zip(texts, answers)):
+        kind, got = reward_call(reward_fn, [text], [answer], timeout, stops)
+        if kind == "scores" and len(got) == 1 and got[0] is not None:
+            scores[i] = got[0]
+        elif kind == "raised":
+            errors.append(f"an error ({got})")
+        elif kind == "timeout":
+            errors.append(f"an error (TimeoutError: {got})")
+            break
+        elif kind == "stopped":
+            return scores, "stopped by a signal"
+        elif kind == "returned":
+            errors.append(f"nan: its call alone returned a {got}")
+        else:
+            errors.append(f"nan: its call alone returned {got}")
+    if errors:
+        return scores, errors[0]
+    reason = (
+        f"nan: the batch's call raised ({batch_error}) but no single response's did; make the reward score a batch "
+        "as it scores each response"
+    )
+    return [float("nan")] * len(texts), reason
+
+
+def reward_model_inputs(own_tokenizer, prompts, texts, device):
+    """A reward model's own tokens of each prompt and response (through its chat template where it has one)."""
+    sequences = []
+    for prompt, text in zip(prompts, texts):
+        if own_tokenizer.chat_template is not None:
+            if isinstance(prompt, str):
+                messages = [{"role": "user", "content": prompt}]
+            else:
+                messages = list(prompt)
+            messages.append({"role": "assistant", "content": text})
+            rendered = own_tokenizer.apply_chat_template(messages, tokenize=False)
+            sequences.append(own_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        else:
+            if not isinstance(prompt, str):  # chat messages, as plain text
+                prompt = "\n".join(m["content"] for m in prompt)
+            sequences.append(own_tokenizer(prompt + text)["input_ids"])
+    return left_pad(sequences, own_tokenizer.pad_token_id, device)
+
+
+@torch.no_grad()
+def evaluate(policy, scorer, sampling, held_out, args, stops):
+    """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
+    prompts, rows = held_out
+    rank = 0
+    if dist.is_initialized():
+        rank = dist.get_rank()
+    device = sampling.stop_ids.device
+    uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed))
+    # a contiguous share each, the last topped up with uncounted copies of the last prompt: the same batches (FSDP)
+    share = -(-len(prompts) // args.world_size)
+    mine = range(rank * share, (rank + 1) * share)
+    counted = torch.tensor([i < len(prompts) for i in mine], device=device).float()
+    result = {}
+    for name, greedy in (("eval/score", False), ("eval/score_greedy", True)):
+        scores = []
+        for start in range(0, share, args.eval_batch_size):
+            idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.eval_batch_size]]
+            prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], sampling.pad_token_id, device)
+            draws = None if greedy else uniforms[idx].to(device)
+            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, draws)
+            input_ids = torch.cat([prompt_ids, responses], 1)
+            attention_mask = torch.cat([prompt_mask, response_mask], 1)
+            P = prompt_ids.shape[1]
+            scores.append(
+                score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops).raw
+            )
+        result[name] = global_mean(torch.cat(scores), counted)
+    failed = any(isinstance(r, str) for r in stops)  # a failed reward (a stop's unanswered call is nan too)
+    if failed or not all(map(math.isfinite, result.values())):
+        return {}
+    return result
+
+
+# ---- checks and alarms
+def require(args, names, rule, ok):
+    """Stop with one sentence when an argument breaks its rule, e.g. "--temperature must be positive (got 0.0)."."""
+    for name in names:
+        if not ok(getattr(args, name)):
+            raise SystemExit(f"--{name} {rule} (got {getattr(args, name)}).")
+
+
+def check_common_args(args, responses_per_iteration):
+    """The checks every script shares. Nothing is created here but the lock of an --output_dir that exists (taken
+    before anything there is read): a run that cannot start leaves nothing behind."""
+    embedded = [f"--{f.name}" for f in fields(args) if ASSETS in str(f.default) and getattr(args, f.name) == f.default]
+    if embedded and not os.path.isdir(ASSETS):  # this file copied alone
+        raise SystemExit(
+            f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
+            "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset)."
+        )
+    require(args, [f.name for f in fields(args) if f.type is float], "must be finite", math.isfinite)
+    require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
+    require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
+    timeout_range = "must be 0 (no limit) or from 0.1 s (how often a call is checked) to 1e6 s"
+    require(args, ("reward_timeout",), timeout_range, lambda v: v == 0 or 0.1 <= v <= 1e6)
+    require(
+        args,
+        (
+            "rollout_batch_size",
+            "total_episodes",
+            "minibatch_size",
+            "micro_batch_size",
+            "num_epochs",
+            "response_length",
+            "max_prompt_length",
+            "eval_batch_size",
+            "log_samples_every",
+            "keep_checkpoints",
+            "max_bad_steps",
+        ),
+        "must be at least 1",
+        lambda v: v >= 1,
+    )
+    require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
+    require(
+        args,
+        ("ent_coef", "missing_eos_penalty", "lora_r"),
+        "must be zero or more",
+        lambda v: v >= 0,
+    )
+    require(args, ("dual_clip",), "must be 0 (off) or more than 1 (the paper uses 3)", lambda v: v == 0 or v > 1)
+    require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
+    if args.save_adapters_only and not args.lora_r:
+        raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
+    require(
+        args,
+        ("rollout_batch_size", "minibatch_size"),
+        f"must be a multiple of the {args.world_size} processes (each samples whole groups of prompts)",
+        lambda v: v % args.world_size == 0,
+    )
+    require(
+        args,
+        ("minibatch_size",),
+        f"must divide the {responses_per_iteration} responses per iteration",
+        lambda v: responses_per_iteration % v == 0,
+    )
+    local_minibatch = args.minibatch_size // args.world_size
+    if args.micro_batch_size > local_minibatch:  # an upper bound, so that the defaults hold under torchrun too
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(
+                f"--micro_batch_size {args.micro_batch_size} is more than the per-process minibatch of "
+                f"{local_minibatch} ({args.world_size} processes); using {local_minibatch}."
+            )
+        args.micro_batch_size = local_minibatch
+    require(
+        args,
+        ("micro_batch_size",),
+        f"must divide the per-process minibatch of {local_minibatch}",
+        lambda v: local_minibatch % v == 0,
+    )
+    require(
+        args,
+        ("total_episodes",),
+        f"must be at least one rollout ({responses_per_iteration} responses)",
+        lambda v: v >= responses_per_iteration,
+    )
+    if not args.reward_model_path and not args.reward_fn:
+        raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
+    if any(spec.lower() == "none" for spec in args.reward_fn):  # what meant no rule before several could be named
+        raise SystemExit("--reward_fn None is no rule's name: pass --reward_fn with nothing after it for no rule.")
+    require(args, ("reward_fn",), "must name each function once", lambda v: len(set(v)) == len(v))
+    names = [spec.rpartition(":")[2] for spec in args.reward_fn]
+    same_name = "gives two functions one name, and each logs its scores as reward/<name>; rename one"
+    require(args, ("reward_fn",), same_name, lambda v: len(set(names)) == len(names))
+    require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
+    most = torch.finfo(torch.float32).max  # the weights multiply float32 scores
+    require(
+        args,
+        ("reward_weights",),
+        f"must each be finite and within +-{most:.3g}",
+        lambda v: all(abs(w) <= most for w in v),
+    )
+    for spec in args.reward_fn:  # each one loads (or says why) before any model does
+        load_reward_fn(spec)
+    # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
+    if args.decode == "auto":
+        args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
+    if args.decode == "cuda_graph" and (not torch.cuda.is_available() or dist.is_initialized()):
+        raise SystemExit(
+            "--decode cuda_graph needs a GPU and one process (FSDP2's hooks under torchrun cannot be "
+            "captured in a CUDA graph); pass --decode static."
+        )
+    if args.mixed_precision and args.model_dtype != "float32":
+        raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
+    config = check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
+    positions = getattr(config, "max_position_embeddings", None) or float("inf")
+    require(
+        args,
+        ("response_length",),
+        f"plus --max_prompt_length must fit the policy's {positions} positions",
+        lambda v: v + args.max_prompt_length <= positions,
+    )
+    if args.lora_r and args.lora_target_modules != ("all-linear",):  # matched as peft does, on a weightless model
+        with torch.device("meta"):
+            names = [name for name, _ in AutoModelForCausalLM.from_config(config).named_modules()]
+        require(
+            args,
+            ("lora_target_modules",),
+            "must each end the name of a module of the policy, or be all-linear",
+            lambda v: all(any(n == t or n.endswith("." + t) for n in names) for t in v),
+        )
+    for path in args.reward_model_path:
+        check_model_path(path, "sequence classifier", "--reward_model_path")
+    if os.path.isdir(args.output_dir) and int(os.environ.get("RANK", 0)) == 0:  # before anything there is read
+        lock_output_dir(args.output_dir)
+    all_processes(None)  # under torchrun the others wait: none reads the folder before rank 0 holds it (or has exited)
+    find_checkpoint(args)
+    existing = os.path.abspath(args.output_dir)
+    while not os.path.exists(existing):  # its nearest existing folder, where it will be made
+        existing = os.path.dirname(existing)
+    try:  # a folder that cannot be written fails now, not at the first save; nothing is left behind
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise SystemExit(
+            f"--output_dir '{args.output_dir}' cannot be created or written to ({e.strerror}); pass a "
+            "folder you can write."
+        ) from None
+
+
+def failure_alarms(m, state, args):
+    """Which failure signatures show in m, against first values and the value loss's moving average (in state)."""
+    for key, metric in (
+        ("first_entropy", "policy/entropy"),
+        ("first_distinct2", "response/distinct2"),
+        ("first_value_loss", "val/loss"),
+    ):
+        if state.get(key) is None:
+            state[key] = m.get(metric)
+    if "val/loss" in m:
+        ema = state.get("value_loss_ema")
+        state["value_loss_ema"] = m["val/loss"] if ema is None else 0.9 * ema + 0.1 * m["val/loss"]
+
+    def fell(metric, first):  # below --alarm_collapse of its first value
+        return m.get(metric) is not None and state[first] is not None and m[metric] < args.alarm_collapse * state[first]
+
+    rising = "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"]
+    return {
+        "kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
+        "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
+        "entropy_collapse": fell("policy/entropy", "first_entropy"),
+        "value_divergence": rising,  # the value loss rising, not falling
+        "diversity_collapse": fell("response/distinct2", "first_distinct2"),
+    }
+
+
+ALARMS = {
+    "kl_explosion": "KL to the reference past --alarm_kl: raise --kl_coef (or --kl_target), lower the learning rate.",
+    "clip_fraction": "over --alarm_clipfrac of tokens clipped: lower the learning rate or --num_epochs.",
+    "entropy_collapse": "entropy under --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, stop.",
+    "value_divergence": "the value loss rose above its start: keep --normalize_reward, lower --value_learning_rate.",
+    "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier.",
+}
+
+# ---- checkpoints, stop signals and bad steps
+# What may differ between a run and its resumption (the number of processes too); every other argument must match.
+RESUMABLE = (
+    "resume",
+    "num_iterations",
+    "world_size",
+    "output_dir",
+    "total_episodes",
+    "save_every",
+    "keep_checkpoints",
+    "max_bad_steps",
+    "on_reward_error",
+    "reward_timeout",
+    "micro_batch_size",
+    "track",
+    "wandb_project",
+    "exp_name",
+    "log_samples_every",
+)
+USUAL_CAUSES = (
+    "the usual causes are a learning rate too high (lower it), rewards of a large scale (normalise them), "
+    "bf16 or fp16 overflow (--model_dtype float32)"
+)
+
+
+def checkpoints_in(folder):
+    """The finished checkpoints in folder, oldest first (a save cut short is left under a '.tmp' name)."""
+    names = [n for n in os.listdir(folder) if re.fullmatch(r"checkpoint-\d+", n)] if os.path.isdir(folder) else []
+    return [os.path.join(folder, n) for n in sorted(names, key=lambda n: int(n[11:]))]
+
+
+def all_processes(value):
+    """Every process's value (a small picklable object) in rank order, on every process; [value] in a plain run."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def read_json(path):
+    """The JSON in a file, or None where it is missing or not JSON."""
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def digest(entries):
+    """The SHA-256 of a dict's entries (JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+
+
+def run_identity(args):
+    """What a checkpoint records of its run: the script and a digest of the arguments (all but RESUMABLE)."""
+    fixed = {k: v for k, v in asdict(args).items() if k not in RESUMABLE}
+    return {"script": os.path.basename(__file__), "args_sha256": digest(fixed)}
+
+
+def checkpoint_identity(path):
+    """The script and the arguments' digest recorded in a checkpoint's manifest (None each where unreadable)."""
+    manifest = read_json(os.path.join(path, "manifest.json"))
+    return {k: manifest.get(k) if isinstance(manifest, dict) else None for k in ("script", "args_sha256")}
+
+
+def file_digests(folder, names):
+    """{name: {"bytes": size, "sha256": checksum}} of files in folder, on every process, each reading a share."""
+    rank = 0
+    world = 1
+    if dist.is_initialized():
+        rank = dist.get_rank()
+        world = dist.get_world_size()
+    mine = {}
+    for name in names[rank::world]:
+        with open(os.path.join(folder, name), "rb") as f:
+            mine[name] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+    return {name: entry for part in all_processes(mine) for name, entry in part.items()}
+
+
+def write_manifest(folder, args, iteration, rank):
+    """manifest.json, a checkpoint's last file: each file's size and checksum, the run, the iteration, a checksum."""
+    manifest = {**run_identity(args), "iteration": iteration, "files": file_digests(folder, sorted(os.listdir(folder)))}
+    manifest["sha256"] = digest(manifest)  # of its own entries: a manifest damaged in place shows too
+    if rank == 0:
+        pathlib.Path(folder, "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def checkpoint_damage(path):
+    """What is wrong with a checkpoint, in words that name the file, or None when it matches its manifest."""
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        return "it has no manifest.json, as a save cut short or a checkpoint older than manifests"
+    manifest = read_json(os.path.join(path, "manifest.json"))
+    try:
+        files = {name: entry["sha256"] for name, entry in manifest["files"].items()}
+        own_checksum = manifest["sha256"]
+    except (KeyError, TypeError, AttributeError):
+        return "its manifest.json is damaged"
+    if own_checksum != digest({k: v for k, v in manifest.items() if k != "sha256"}):
+        return "its manifest.json is damaged"
+    named = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))  # a folder renamed, or a manifest of another
+    if named and manifest.get("iteration") != int(named[1]):
+        return f"its name says iteration {named[1]}, its manifest.json and state.json {manifest.get('iteration')}"
+    missing = [name for name in sorted(files) if not os.path.isfile(os.path.join(path, name))]
+    if missing:
+        return f"{missing[0]} is missing"
+    found = file_digests(path, sorted(files))
+    changed = [name for name in sorted(files) if found[name]["sha256"] != files[name]]
+    if changed:
+        return f"{changed[0]} does not match the checksum it was saved with"
+    state = read_json(os.path.join(path, "state.json"))  # an edit whose checksums were made again
+    if not isinstance(state, dict) or state.get("iteration") != manifest.get("iteration"):
+        return f"its state.json is not of iteration {manifest.get('iteration')}, as its manifest.json is"
+    return None
+
+
+def find_checkpoint(args):
+    """--resume as a whole checkpoint of this run, or None ('auto': the newest whole one): runs never mix."""
+    say = int(os.environ.get("RANK", 0)) == 0
+    held = checkpoints_in(args.output_dir)
+    if args.resume == "auto":
+        args.resume = None
+        for path in reversed(held):
+            damage = checkpoint_damage(path)
+            if damage is None:
+                args.resume = path
+                break
+            if say:
+                print(f"--resume auto: skipping {path}: {damage}")
+        if held and not args.resume:
+            raise SystemExit(
+                f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
+                "afresh there, or pass another --output_dir."
+            )
+        if say and args.resume:
+            print(f"--resume auto: resuming from {args.resume}")
+        elif say:
+            print(f"--resume auto: no checkpoint in {args.output_dir}, starting afresh")
+    elif args.resume:  # a path: normalised, a whole checkpoint, or one sentence with the newest whole one beside it
+        args.resume = os.path.normpath(args.resume)
+        path = args.resume
+        if path.endswith(".tmp"):
+            raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder); pass --resume auto.")
+        if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
+            raise SystemExit(
+                f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
+                f"{args.output_dir}/checkpoint-N folder, or auto."
+            )
+        damage = checkpoint_damage(path)
+        if damage is not None:
+            advice = "no checkpoint beside it is whole, so start afresh in another --output_dir."
+            for other in reversed(checkpoints_in(os.path.dirname(path))):
+                if other != path and checkpoint_damage(other) is None:
+                    advice = f"resume from {other}, the newest whole checkpoint beside it."
+                    break
+            raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; {advice}")
+    if held and not args.resume:
+        which = "another run"
+        if checkpoint_identity(held[-1]) == run_identity(args):
+            which = "a run with these arguments"
+        raise SystemExit(
+            f"--output_dir '{args.output_dir}' holds the checkpoints of {which} (the newest: "
+            f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
+            "to start afresh."
+        )
+    if held and os.path.realpath(os.path.dirname(args.resume)) != os.path.realpath(args.output_dir):
+        raise SystemExit(
+            f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
+            f"'{args.resume}' there would mix them with its own; pass another --output_dir."
+        )
+    if not args.resume:
+        return
+    script = os.path.basename(__file__)
+    made_by = checkpoint_identity(args.resume)["script"]
+    if made_by != script:
+        raise SystemExit(
+            f"'{args.resume}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
+            f"or start {script} in another --output_dir."
+        )
+    saved = read_json(os.path.join(args.resume, "args.json"))
+    now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
+    changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
+    if changed:
+        raise SystemExit(
+            f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
+            f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change)."
+        )
+
+
+def trainer_state_dicts(models, optimizers):
+    """Each trained model's and optimiser's state, keyed by parameter name (under FSDP2, this process's shards)."""
+    return {k: dict(zip(("model", "optimizer"), get_state_dict(models[k], optimizers[k]))) for k in models}
+
+
+def save_checkpoint(args, models, optimizers, state, rank):
+    """What a resumed run needs, as a .tmp with its manifest last, then renamed; all but --keep_checkpoints go."""
+    path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
+    tmp = path + ".tmp"
+    saved = rank == 0 and read_json(os.path.join(path, "state.json")) == json.loads(json.dumps(state))
+    if all_processes(saved and checkpoint_identity(path) == run_identity(args))[0]:  # a stop just after a save
+        return path
+    refuse_non_finite(models, f"{path} is not written", args)
+    error = first_error_anywhere(begin_checkpoint, tmp, args, state, here=rank == 0)
+    if error is None:
+        error = first_error_anywhere(save_shards, tmp, models, optimizers)
+    if error is None:
+        error = first_error_anywhere(write_manifest, tmp, args, state["iteration"], rank)
+    if error is None:
+        error = first_error_anywhere(complete_checkpoint, tmp, path, args, here=rank == 0)
+    if error is None:
+        return path
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    needed = sum(all_processes(megabytes_held(models.values(), optimizers.values())))
+    if rank == 0:
+        raise SystemExit(write_failure(f"writing {path}", error, args, needed))
+    raise SystemExit(1)
+
+
+def first_error_anywhere(step, *inputs, here=True):
+    """step(*inputs) where here is true; then, on every process, the first process's error as text, or None."""
+    error = None
+    try:
+        if here:
+            step(*inputs)
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
+        if isinstance(e, dcp.CheckpointException):
+            e = next(iter(e.failures.values()))  # each process's
+        if isinstance(e, tuple):
+            e = e[0]  # an error with its traceback
+        error = f"{type(e).__name__}: {e}"[:300]
+    errors = [e for e in all_processes(error) if e]
+    if errors:
+        return errors[0]
+    return None
+
+
+def begin_checkpoint(tmp, args, state):
+    """Rank 0: the checkpoint's folder, with the log so far, the arguments and the state."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
+    pathlib.Path(tmp, "args.json").write_text(json.dumps(asdict(args), indent=2))
+    pathlib.Path(tmp, "state.json").write_text(json.dumps(state, indent=2))
+
+
+def save_shards(tmp, models, optimizers):
+    """Every process: its shards; returns when every process has written (a plain run's alone, as meant)."""
+    dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
+
+
+def complete_checkpoint(tmp, path, args):
+    """Rank 0: the save renamed over a stale or damaged checkpoint-N; then the oldest ones and any save cut short go."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+    names = os.listdir(args.output_dir)
+    cut_short = [os.path.join(args.output_dir, n) for n in names if n.startswith("checkpoint-") and n.endswith(".tmp")]
+    for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
+        if os.path.islink(old):
+            os.remove(old)  # a link goes, never what it points to
+        else:
+            shutil.rmtree(old)
+
+
+def write_failure(what, error, args, needed_mb=None):
+    """One sentence for a failed write: the free space against what was needed, and the checkpoint to go on from."""
+    free_mb = shutil.disk_usage(args.output_dir).free / 2**20
+    need = f" and about {needed_mb:.0f} MB are needed" if needed_mb else ""
+    newest = (checkpoints_in(args.output_dir) or [None])[-1]
+    then = f"go on from {newest}, the last good checkpoint, with --resume auto" if newest else "start again"
+    return (
+        f"{what} failed ({error}); '{args.output_dir}' has {free_mb:.0f} MB free{need}: free some space (or make "
+        f"the folder writable again) and {then}."
+    )
+
+
+def new_state(**algorithm_state):
+    """A run's state at its start: the bookkeeping every script keeps, then the algorithm's own entries."""
+    state = dict(
+        iteration=0,
+        episodes=0,
+        data_position=(0, 0),
+        alarms_on=[],
+        bad_steps=0,
+        skipped_steps=0,
+        elapsed=0.0,
+    )
+    state.update(algorithm_state)
+    return state
+
+
+def load_checkpoint(path, models, optimizers):
+    """Models and optimisers as saved, for any process count; the state (every draw is seeded by the iteration)."""
+    saved = trainer_state_dicts(models, optimizers)
+    state = read_json(os.path.join(path, "state.json"))
+    try:
+        dcp.load(saved, checkpoint_id=path)
+    except (ValueError, dcp.CheckpointException) as e:  # a model folder that now holds a model of another size
+        raise SystemExit(
+            f"'{path}' could not be loaded into this run's models ({str(e).strip().splitlines()[-1]}); if "
+            "they changed size, resume with the models it was trained from."
+        ) from None
+    for k in models:
+        set_state_dict(
+            models[k], optimizers[k], model_state_dict=saved[k]["model"], optim_state_dict=saved[k]["optimizer"]
+        )
+        if state["iteration"] == 0:  # saved before any step: its Adam state is get_state_dict's zero-gradient step
+            optimizers[k].state.clear()  # (step 1, no moments), not one the run took; so Adam starts as the run did
+    return state
+
+
+def catch_stop_signals():
+    """SIGTERM or Ctrl-C stops the run where it can save, a second at once: the list of reasons to stop (signals)."""
+    stops = []
+
+    def on_signal(signum, frame):
+        if any(isinstance(r, int) for r in stops):
+            os._exit(128 + signum)
+        stops.append(signum)
+        print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (again: quit at once)", flush=True)
+
+    previous = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        previous[signum] = signal.signal(signum, on_signal)
+
+    def restore_in_child():  # a pool worker forked from this process keeps the handlers it would have had
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    os.register_at_fork(after_in_child=restore_in_child)
+    return stops
+
+
+def stop_if_asked(stops, state, models, optimizers, args):
+    """Nothing, unless a process has a reason to stop (a signal, a failed reward, --max_bad_steps): then every
+    process saves a checkpoint of state and exits, rank 0 printing the command that resumes."""
+    signum = next((r for r in stops if isinstance(r, int)), 0)
+    failure = next((r for r in stops if isinstance(r, str)), None)
+    reasons = {"signal": signum, "failure": failure is not None, "bad_steps": state["bad_steps"] >= args.max_bad_steps}
+    found = torch.tensor(list(reasons.values()), device=next(models["policy"].parameters()).device)
+    if dist.is_initialized():
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    reasons = dict(zip(reasons, found.tolist()))
+    if not any(reasons.values()):
+        return
+    if reasons["failure"]:  # the message of the first process that failed
+        failure = next(f for f in all_processes(failure) if f)
+    elif reasons["bad_steps"]:
+        failure = (
+            f"{state['bad_steps']} optimiser steps in a row had a non-finite loss or gradient (iteration "
+            f"{state['iteration']}); {USUAL_CAUSES}."
+        )
+        state = dict(state, bad_steps=0)
+    rank = 0
+    if dist.is_initialized():
+        rank = dist.get_rank()
+    path = save_checkpoint(args, models, optimizers, state, rank)
+    command = "python"
+    if args.world_size > 1:
+        command = f"torchrun --nproc_per_node={args.world_size}"
+    if rank == 0:
+        print(
+            f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
+            f"--resume {path}",
+            flush=True,
+        )
+    if failure is None:  # a signal: the exit code of a process it ended
+        raise SystemExit(128 + reasons["signal"])
+    if rank == 0:
+        raise SystemExit(failure)
+    raise SystemExit(1)
+
+
+def step_is_finite(grad_norms, stats, state, iteration, args):
+    """Whether to step: not on a nan or inf gradient norm, nor after --max_bad_steps in a row (norms into stats)."""
+    grad_norms = {k: n.full_tensor() if isinstance(n, DTensor) else n for k, n in grad_norms.items()}  # FSDP2: all
+    for name, norm in grad_norms.items():
+        stats[f"grad_norm/{name}"] += norm.item()
+    stats["steps"] += 1
+    if state["bad_steps"] >= args.max_bad_steps:
+        state["skipped_steps"] += 1
+        return False
+    if all(torch.isfinite(n) for n in grad_norms.values()):
+        state["bad_steps"] = 0
+    else:
+        state["bad_steps"] += 1
+        state["skipped_steps"] += 1
+    if state["bad_steps"] == 1:
+        print(f"iteration {iteration}: a non-finite loss or gradient; steps are skipped until a finite one", flush=True)
+    return state["bad_steps"] == 0
+
+
+def refuse_non_finite(models, what, args):
+    """Stop every process, rank 0 naming it, when a trained weight holds a nan or an inf: one fused reduction."""
+    named = [
+        (f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
+        for key, model in models.items()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    ]
+    named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
+    device = next(p.device for m in models.values() for p in m.parameters())
+    largest = []  # each weight's largest magnitude
+    bad = torch.zeros((), device=device)
+    if named:
+        largest = torch._foreach_norm([p for _, p in named], float("inf"), dtype=torch.float32)
+        bad = (~torch.isfinite(torch.stack(largest))).any().float()
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.item():
+        return
+    mine = next((name for (name, _), x in zip(named, largest) if not torch.isfinite(x)), None)
+    name = next(n for n in all_processes(mine) if n)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        raise SystemExit(1)
+    held = checkpoints_in(args.output_dir)
+    newest = f"; the newest checkpoint is {held[-1]}" if held else ""
+    raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}{newest}.")
+
+
+# ---- dashboard and log
+NOT_SUMS = ("tokens", "steps", "ratio_max", "first_ratio_dev")  # the keys of stats that are not sums over tokens
+
+
+@torch.no_grad()
+def add_token_stats(stats, mask, ratio, logprobs, logprobs_old, terms):
+    """Add a micro-batch's per-token terms (micro, T), the ratio's and the approximate KL, to the iteration's sums."""
+    log_ratio = (logprobs - logprobs_old) * mask
+    terms = {**terms, "policy/ratio_mean": ratio, "policy/approx_kl": (ratio - 1) - log_ratio}
+    for key, x in terms.items():
+        stats[key] += (x * mask).sum().item()
+    stats["tokens"] += mask.sum().item()
+    stats["ratio_max"] = max(stats["ratio_max"], (ratio * mask).max().item())
+    if "first_ratio_dev" not in stats:  # ~0 unless logprobs_old went stale: a free sanity check
+        stats["first_ratio_dev"] = ((ratio - 1).abs() * mask).max().item()
+
+
+def global_mean(x, mask=None):
+    """Mean of a per-sequence statistic (B,) over every process's batch (where mask is 1), as a float."""
+    if mask is None:
+        mask = torch.ones_like(x).float()
+    total = torch.stack([(x.float() * mask).sum(), mask.sum()]).double()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).float().item()
+
+
+def dashboard(stats, state, scores, rollout, clock, args):
+    """The metrics every script logs, over all processes: from the stats summed over tokens, this process's Scores,
+    the rollout of every process and the iteration's Stopwatch."""
+    device = scores.raw.device
+    sums = sorted(k for k in stats if k not in NOT_SUMS)
+    totals = [stats[k] for k in sums] + [stats["tokens"], stats["steps"]]
+    totals = torch.tensor(totals, device=device, dtype=torch.float64)
+    ratio_max = torch.tensor(stats["ratio_max"], device=device)
+    if args.world_size > 1:
+        dist.all_reduce(totals)
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+    n_tokens = totals[-2].item()
+    n_steps = totals[-1].item()
+    P = rollout["input_ids"].shape[1] - rollout["response_mask"].shape[1]  # the prompts' columns
+    lengths = rollout["response_mask"].sum(1).float()  # (N,) every process's responses
+    has_eos = rollout["has_eos"]  # (N,) 1.0 where a stop token ended the response
+    token_lists = [r[: int(n)].tolist() for r, n in zip(rollout["input_ids"][:, P:], lengths)]
+    failed = torch.tensor([float(scores.failed)], device=device)
+    m = {
+        "iteration": state["iteration"],
+        "episodes": state["episodes"],
+        "objective/score": global_mean(scores.raw),
+        "policy/first_ratio_dev": stats.get("first_ratio_dev"),
+        "policy/ratio_max": ratio_max.item(),
+        "response/length": lengths.mean().item(),
+        "response/eos_rate": has_eos.mean().item(),
+        "response/distinct1": distinct_n(token_lists, 1),
+        "response/distinct2": distinct_n(token_lists, 2),
+    }
+    if args.mask_truncated:
+        m["response/truncated_left_out"] = (1 - has_eos).mean().item()
+    for phase, seconds in clock.seconds.items():
+        m[f"time/{phase}"] = seconds
+    m["time/iteration"] = time.time() - clock.start
+    m["health/reward_errors"] = args.world_size * global_mean(failed)
+    m["health/skipped_steps"] = state["skipped_steps"]
+    for key, x in scores.metrics.items():  # the rules' weighted sum, and each when there are several
+        m[key] = global_mean(x)
+    for key, total in zip(sums, totals.tolist()):
+        if key.startswith("grad_norm"):
+            m[key] = total / n_steps
+        else:
+            m[key] = total / n_tokens
+    m["time/tokens_per_second"] = len(lengths) * (P + m["response/length"]) / m["time/iteration"]
+    return m
+
+
+class Stopwatch:
+    """An iteration's phases: seconds each took (lap(phase) ends it), in the order they ran."""
+
+    def __init__(self):
+        self.start = time.time()
+        self.last = self.start
+        self.seconds = {}
+
+    def lap(self, phase):
+        now = time.time()
+        self.seconds[phase] = now - self.last
+        self.last = now
+
+
+@functools.cache  # held from the first call (the checks, where the folder exists) until the process ends
+def lock_output_dir(folder):
+    """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
+    path = os.path.join(folder, "run.lock")
+    me = f"process {os.getpid()} on {os.uname().nodename}"
+    try:
+        f = open(path, "a+")
+    except OSError as e:  # a folder of that name, a file or folder without write permission
+        raise SystemExit(
+            f"--output_dir '{folder}' cannot be locked: its run.lock cannot be opened for writing ({e.strerror}); "
+            "remove it or make it writable, or pass another --output_dir."
+        ) from None
+    before = os.pread(f.fileno(), 1000, 0).decode(errors="replace")  # the process holding it, or that held it last
+    try:
+        os.lockf(f.fileno(), os.F_TLOCK, 0)
+    except (BlockingIOError, PermissionError):
+        raise SystemExit(
+            f"--output_dir '{folder}' is in use by another run ({before}, its {path}); wait for it to "
+            "end, or pass another --output_dir."
+        ) from None
+    except OSError as e:  # ENOLCK: a file system without locks (NFS without its lock service)
+        print(f"{path}: this file system cannot lock ({e.strerror}): a second run here would not be refused")
+    if before not in ("", me):
+        print(f"{path}: {before} has ended; this run takes the folder over")
+    f.truncate(0)
+    print(me, file=f, end="", flush=True)
+    return f
+
+
+def resumed_log(checkpoint, metrics):
+    """A resumed run's log: the checkpoint's rows; the run's own later lines kept in a side file (the first free)."""
+    rows = pathlib.Path(checkpoint, "metrics.jsonl").read_bytes().splitlines(keepends=True)  # whole: one writer
+    own = []  # the lines this folder's log holds, as bytes: a damaged line (not UTF-8) is set aside as any other
+    if os.path.isfile(metrics):
+        own = pathlib.Path(metrics).read_bytes().splitlines(keepends=True)
+    same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
+    if own[same:]:
+        stem = f"{os.path.splitext(metrics)[0]}.after-{os.path.basename(checkpoint)}"
+        side = f"{stem}.jsonl"
+        for k in itertools.count(2):
+            if not os.path.exists(side):
+                break
+            side = f"{stem}-{k}.jsonl"
+        pathlib.Path(side).write_bytes(b"".join(own[same:]))
+        print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
+    pathlib.Path(metrics).write_bytes(b"".join(rows))
+
+
+class Log:
+    """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
+
+    def __init__(self, args, state, rank, tokenizer):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.on = rank == 0  # rank 0 alone prints and writes
+        self.file = None
+        self.wandb = None
+        if self.on:
+            os.makedirs(args.output_dir, exist_ok=True)
+            self.lock = lock_output_dir(args.output_dir)  # before anything is written there
+            pathlib.Path(args.output_dir, "args.json").write_text(json.dumps(asdict(args), indent=2))
+            metrics = os.path.join(args.output_dir, "metrics.jsonl")
+            if args.resume:  # the log as far as the checkpoint goes, then on from there
+                resumed_log(args.resume, metrics)
+            if args.resume:
+                self.file = open(metrics, "a")
+            else:
+                self.file = open(metrics, "w")
+            if args.track:
+                self.wandb = self.start_wandb(state)
+        if state["iteration"] >= args.num_iterations and self.on:  # a resume with nothing left to train
+            print(
+                f"--total_episodes {args.total_episodes} ends at iteration {args.num_iterations}; the checkpoint is "
+                f"at {state['iteration']}, so no step is taken: its policy is saved as it is (raise it to go on)"
+            )
+        self.t_start = time.time() - state["elapsed"]
+        self.progress = tqdm(
+            total=args.num_iterations,
+            initial=state["iteration"],
+            unit="iter",
+            dynamic_ncols=True,
+            disable=not self.on or not sys.stderr.isatty(),
+        )
+
+    def write(self, m, step):
+        if self.on:
+            try:  # flushed: a checkpoint copies the file as it stands
+                print(json.dumps(m), file=self.file, flush=True)
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
+                raise SystemExit(write_failure(f"writing {self.file.name}", error, self.args)) from None
+            if self.wandb:
+                self.wandb.log(m, step=step)
+
+    def evaluation(self, evaluation, state):
+        """A held-out score in a row of its own: the starting policy's, or one a failed reward left to the resume."""
+        if evaluation:
+            m = {
+                "iteration": state["iteration"],
+                "episodes": state["episodes"],
+                **evaluation,
+                "time/elapsed": time.time() - self.t_start,
+            }
+            if self.on:
+                print(
+                    f"iter {m['iteration']} ({'redone' if m['iteration'] else 'before training'}) | held-out score "
+                    f"sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}",
+                    flush=True,
+                )
+            self.write(m, step=state["episodes"])
+
+    def iteration(self, m, state, prompt_ids, texts, scores):
+        """The alarms, the printed line, the bar, the log; sample rows (prompt, response, score) now and then."""
+        args = self.args
+        iteration = m["iteration"]
+        state["elapsed"] = time.time() - self.t_start
+        m["time/elapsed"] = state["elapsed"]
+        firing = failure_alarms(m, state, args)
+        m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
+        if self.on:
+            shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
+            tqdm.write(
+                f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
+                f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}"
+            )
+            if not any(key.startswith("grad_norm/") for key in m):  # every minibatch skipped
+                tqdm.write(f"iter {iteration}: no optimiser step: every response was left out of the loss")
+            for name in [name for name, on in firing.items() if on and name not in state["alarms_on"]]:
+                tqdm.write(f"ALARM {name}: {ALARMS[name]}")
+            self.progress.set_postfix(
+                {label: f"{m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m and key.startswith("objective/")},
+                refresh=False,
+            )
+            self.progress.update()
+            self.write(m, step=state["episodes"])
+            if iteration % args.log_samples_every == 0 or iteration == 1:
+                prompts = self.tokenizer.batch_decode(prompt_ids[:3], skip_special_tokens=True)
+                samples = list(zip(prompts, texts[:3], scores[:3].tolist()))
+                print("\n".join(f"    {s:+.2f} | {p!r} -> {r!r}" for p, r, s in samples))
+                if self.wandb:
+                    table = self.wandb.Table(columns=["prompt", "response", "score"], data=[list(x) for x in samples])
+                    self.wandb.log({"samples": table}, step=state["episodes"])
+        state["alarms_on"] = [name for name, on in firing.items() if on]
+
+    def start_wandb(self, state):
+        """wandb, logging offline (upload later with `wandb sync`) when its server cannot be reached within seconds."""
+        import wandb
+
+        args = self.args
+        url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+        if os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not reachable(url):
+            print(
+                f"wandb: {urlparse(url).hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
+                "(upload it later with `wandb sync`)"
+            )
+            os.environ["WANDB_MODE"] = "offline"
+        state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in its wandb run
+        wandb.init(
+            project=args.wandb_project,
+            name=args.exp_name,
+            config=asdict(args),
+            id=state["wandb_id"],
+            resume="allow",
+            dir=args.output_dir,
+            save_code=True,
+        )
+        return wandb
+
+
+def finish(policy, tokenizer, log, state, args, rank):
+    """The policy and tokenizer saved for from_pretrained, unless not finite; the log and the processes closed."""
+    if state["bad_steps"] and rank != 0:
+        raise SystemExit(1)
+    if state["bad_steps"]:
+        raise SystemExit(
+            f"the last {state['bad_steps']} optimiser step(s) had a non-finite loss or gradient, so the "
+            f"policy is not saved to {args.output_dir}; {USUAL_CAUSES}."
+        )
+    refuse_non_finite({"policy": policy}, f"the policy is not saved to {args.output_dir}", args)
+    weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        try:
+            if args.lora_r:
+                lora_policy_to_save(weights, args).save_pretrained(args.output_dir)
+            else:
+                named = dict(policy.named_parameters()) | dict(policy.named_buffers())
+                policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})
+            tokenizer.save_pretrained(args.output_dir)
+        except OSError as e:
+            raise SystemExit(write_failure("saving the policy", f"{type(e).__name__}: {e}", args)) from None
+        print(f"saved the policy to {args.output_dir}")
+        log.file.close()
+        if log.wandb:
+            log.wandb.finish()
+    log.progress.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main(tyro.cli(Args, use_underscores=True))
+    except SystemExit as e:  # a sentence that stops the run: said once, by rank 0; every process exits with 1
+        if not isinstance(e.code, str):
+            raise
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e.code, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C before the run catches it (while the models load): one line, not a traceback
+        if int(os.environ.get("RANK", 0)) == 0:
+            print("stopped by Ctrl-C while starting: nothing was saved", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
