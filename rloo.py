@@ -289,6 +289,7 @@ def masked_var(x, mask):
     mean = masked_mean(x, mask)
     return masked_mean((x - mean) ** 2, mask)
 
+
 # <<< shared: batch statistics
 
 
@@ -314,6 +315,7 @@ def dual_clip_loss(loss, advantages, c):
     bounded = (advantages < 0) & (loss > -c * advantages)
     return torch.where(bounded, -c * advantages, loss), bounded.float()
 
+
 # <<< shared: clipped surrogate
 
 
@@ -329,6 +331,7 @@ def overlong_penalty(lengths, has_eos, args):
     if args.mask_truncated:  # a cut-off response is left out of the loss, not punished
         penalty = torch.where(has_eos, penalty, 0.0)
     return penalty
+
 
 # <<< shared: overlong punishment
 
@@ -365,6 +368,7 @@ def policy_loss(kind, logprobs, logprobs_old, advantages, mask, clip_low, clip_h
     if kind == "cispo":
         return cispo_loss(logprobs, logprobs_old, advantages, clip_low, clip_high)
     return clip_loss(logprobs, logprobs_old, advantages, clip_low, clip_high)
+
 
 # <<< shared: GSPO and CISPO
 
@@ -408,6 +412,7 @@ def normalize_scores(score, state, batch_count):
     )
     return (score - state["score_mean"]) / (state["score_var"] ** 0.5 + 1e-8)
 
+
 # <<< shared: running moments
 
 
@@ -441,6 +446,7 @@ def loss_weights(mask, aggregation, response_length, num_sequences, num_tokens):
     if aggregation == "sequence_mean":  # every response the same weight: a long one's tokens count less (GRPO)
         return mask / (mask.sum(1, keepdim=True).clamp(min=1) * max(num_sequences, 1))
     return mask / (max(num_sequences, 1) * response_length)  # a constant divisor: no length bias (Dr. GRPO)
+
 
 # <<< shared: zero signal, KL estimators, loss weights
 
@@ -602,6 +608,7 @@ def generate(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
         next_position = next_position + 1
     hold_full_parameters(policy, hold=False)
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
+
 
 # <<< shared: forward passes
 
@@ -2672,13 +2679,17 @@ def lock_output_dir(folder):
     """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
     path = os.path.join(folder, "run.lock")
     me = f"process {os.getpid()} on {os.uname().nodename}"
-    try:
-        f = open(path, "a+")
-    except OSError as e:  # a folder of that name, a file or folder without write permission
+    try:  # open's "a+", but a link is never followed: written through, the file it names would be emptied
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+    except OSError as e:  # a link, a folder of that name, a file or folder without write permission
+        why = e.strerror
+        if os.path.islink(path):  # said so, not as O_NOFOLLOW's "Too many levels of symbolic links"
+            why = "it is a symbolic link, which is never written through"
         raise SystemExit(
-            f"--output_dir '{folder}' cannot be locked: its run.lock cannot be opened for writing ({e.strerror}); "
+            f"--output_dir '{folder}' cannot be locked: its run.lock cannot be opened for writing ({why}); "
             "remove it or make it writable, or pass another --output_dir."
         ) from None
+    f = os.fdopen(fd, "a+")
     before = os.pread(f.fileno(), 1000, 0).decode(errors="replace")  # the process holding it, or that held it last
     try:
         os.lockf(f.fileno(), os.F_TLOCK, 0)

@@ -244,6 +244,20 @@ def test_a_run_lock_that_is_a_folder_or_cannot_be_written_is_one_sentence_before
             grpo.validate(grpo.Args(output_dir=str(out), eval_every=0))
 
 
+def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_path):
+    """run.lock a symbolic link to a file of the user's, or to none: refused in one sentence, the file left as it
+    was and none created (before, the link was followed and the file it names emptied)."""
+    (tmp_path / "notes.txt").write_text("a week of notes")
+    for target in ("notes.txt", "nothing-here"):
+        out = tmp_path / f"run-{target}"
+        out.mkdir()
+        (out / "run.lock").symlink_to(tmp_path / target)
+        with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(it is a symbolic link, "):
+            grpo.lock_output_dir(str(out))
+    assert (tmp_path / "notes.txt").read_text() == "a week of notes"
+    assert not (tmp_path / "nothing-here").exists()
+
+
 def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path, capsys):
     (tmp_path / "run.lock").write_bytes(b"\xff\xfe\x00garbage")
     lock = grpo.lock_output_dir(str(tmp_path))
