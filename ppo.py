@@ -1983,7 +1983,9 @@ def check_common_args(args, responses_per_iteration):
             f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
             "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset)."
         )
-    require(args, [f.name for f in fields(args) if f.type is float], "must be finite", math.isfinite)
+    most = torch.finfo(torch.float32).max  # a float option meets float32 tensors (a clamp's bound, a weight)
+    floats = [f.name for f in fields(args) if f.type is float]
+    require(args, floats, f"must be finite and within +-{most:.3g}", lambda v: abs(v) <= most)  # nan fails it too
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
     timeout_range = "must be 0 (no limit) or from 0.1 s (how often a call is checked) to 1e6 s"
@@ -2061,7 +2063,6 @@ def check_common_args(args, responses_per_iteration):
     same_name = "gives two functions one name, and each logs its scores as reward/<name>; rename one"
     require(args, ("reward_fn",), same_name, lambda v: len(set(names)) == len(names))
     require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
-    most = torch.finfo(torch.float32).max  # the weights multiply float32 scores
     require(
         args,
         ("reward_weights",),

@@ -276,18 +276,6 @@ def test_reward_weights_must_be_finite_and_within_float32(weight):
         grpo.validate(args)
 
 
-def test_every_finite_float_passes_the_finiteness_check():
-    """1e308 is finite (before, `abs(v) < 1e308` refused it and 1e308 itself); nan and inf are not."""
-    for value in (1e308, -1e308, 1.7976931348623157e308):
-        try:
-            grpo.validate(grpo.Args(clip_range_high=value, ent_coef=abs(value), eval_every=0))
-        except SystemExit as e:  # another rule of the option may refuse it, never its finiteness
-            assert "must be finite" not in str(e.code)
-    for value in (float("nan"), float("inf")):
-        with pytest.raises(SystemExit, match="--ent_coef must be finite"):
-            grpo.validate(grpo.Args(ent_coef=value, eval_every=0))
-
-
 @pytest.mark.parametrize("spec", ["None", "none"])
 def test_reward_fn_none_is_answered_with_how_to_say_no_rule(spec):
     with pytest.raises(SystemExit, match="pass --reward_fn with nothing after it for no rule"):
