@@ -955,7 +955,9 @@ def load_task(args, device):
     elif args.eval_every:
         message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
         warnings.warn(message, stacklevel=2)
-    reward_fns = [(spec, load_reward_fn(spec)) for spec in args.reward_fn]  # (spec, function or RewardProcess)
+    reward_fns = [
+        (spec, load_reward_fn(spec, args.reward_timeout)) for spec in args.reward_fn
+    ]  # (spec, function or RewardProcess)
     return tokenizer, prompts, rows, held_out, sampling, reward_fns
 
 
@@ -1673,9 +1675,9 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
-def load_reward_fn(spec):
+def load_reward_fn(spec, timeout):
     """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function,
-    fn(texts, answers) -> a float each, loaded in a RewardProcess of its own."""
+    fn(texts, answers) -> a float each, loaded in a RewardProcess of its own within timeout seconds (0: no limit)."""
     if spec in REWARD_FNS:
         return REWARD_FNS[spec]
     where, _, name = spec.rpartition(":")
@@ -1684,17 +1686,17 @@ def load_reward_fn(spec):
             f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
             "path/to/file.py:function or package.module:function."
         )
-    return reward_process(spec)
+    return reward_process(spec, timeout)
 
 
 @functools.cache  # one process per function: the argument check starts it, the run uses it
-def reward_process(spec):
+def reward_process(spec, timeout):
     """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process:
     every one stops, rank 0 says it)."""
     process = RewardProcess(spec)
-    errors = [e for e in all_processes(process.start()) if e]
-    if errors:
-        raise SystemExit(errors[0])
+    failures = [f for f in all_processes(process.start(timeout, None)) if f]  # no stops yet: a signal ends the run
+    if failures:
+        raise SystemExit(failures[0][1])
     return process
 
 
@@ -1708,37 +1710,55 @@ class RewardProcess:
         self.process = None
         self.connection = None
 
-    def start(self):
-        """Starts the process and loads the function there: None, or the one sentence that says why it cannot."""
+    def start(self, timeout, stops):
+        """Starts the process and loads the function there, within timeout and stops as a call: None, or ("raised" or
+        "timeout", the one sentence that says why it cannot), or ("stopped", None)."""
         ours, theirs = multiprocessing.Pipe()
-        command = [sys.executable, "-u", "-c", f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"]
+        program = f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"
+        # -P: the working folder is not first on its path, where a random.py would shadow the standard library's
+        command = [sys.executable, "-P", "-u", "-c", program]
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], start_new_session=True
         )
         theirs.close()
         self.connection = ours
-        try:
-            ours.send((sys.path, self.spec))
-            error = ours.recv()
-        except (EOFError, OSError):  # os._exit() at import, a crash
-            error = f"--reward_fn {self.spec}: the process loading it ended (exit code {self.process.wait()}); fix it."
-        if error:
+        kind, got = self.ask((sys.path, self.spec), timeout, stops)
+        if kind == "loaded":
+            return None
+        if kind == "timeout":  # a grader whose import waits for a service that is down
+            return kind, (
+                f"--reward_fn {self.spec}: loading it gave no answer within --reward_timeout {timeout:g} s; check "
+                "what its import waits for, or pass a longer --reward_timeout."
+            )
+        if kind == "ended":  # os._exit() at import, a crash
+            return "raised", f"--reward_fn {self.spec}: the process loading it ended (exit code {got}); fix it."
+        if kind == "raised":  # resolve_reward_fn's sentence: the process ends
             self.kill()
-        return error
+        return kind, got
 
     def call(self, texts, answers, timeout, stops):
-        """reward_reply's answer from the process, or ("timeout", why) after timeout seconds (0: no limit), or
-        ("stopped", None) as soon as stops holds a signal: then the process group is killed."""
+        """reward_reply's answer from the process (started first where it is not), or ("timeout", why) after timeout
+        seconds (0: no limit), or ("stopped", None) as soon as stops holds a signal: then its group is killed."""
         if stops and any(isinstance(r, int) for r in stops):  # the run is stopping: no call begins
             return "stopped", None
         if self.process is None:
-            error = self.start()
-            if error:
-                return "raised", error
+            failed = self.start(timeout, stops)
+            if failed:
+                return failed
+        kind, got = self.ask((texts, answers), timeout, stops)
+        if kind == "timeout":
+            return kind, f"no answer within --reward_timeout {timeout:g} s"
+        if kind == "ended":  # os._exit() in the function, a crash, a kill from outside
+            return "raised", f"the process running it ended (exit code {got})"
+        return kind, got
+
+    def ask(self, message, timeout, stops):
+        """Sends message and gives the process's answer, or ("stopped", None) as soon as stops holds a signal,
+        ("timeout", None) after timeout seconds (0: no limit) or ("ended", its exit code): its group then killed."""
         try:
-            self.connection.send((texts, answers))
+            self.connection.send(message)
         except OSError:  # it ended since the last call (killed from outside): a broken pipe, a reset connection
-            return "raised", f"the process running it ended (exit code {self.kill()})"
+            return "ended", self.kill()
         end = time.monotonic() + timeout
         while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
             if stops and any(isinstance(r, int) for r in stops):
@@ -1746,11 +1766,11 @@ class RewardProcess:
                 return "stopped", None
             if timeout and time.monotonic() > end:
                 self.kill()
-                return "timeout", f"no answer within --reward_timeout {timeout:g} s"
+                return "timeout", None
         try:
             return self.connection.recv()
-        except (EOFError, OSError):  # os._exit() in the function, a crash, a kill from outside
-            return "raised", f"the process running it ended (exit code {self.kill()})"
+        except (EOFError, OSError):  # it ended: os._exit(), a crash, a kill from outside
+            return "ended", self.kill()
 
     def kill(self):
         """Kills the process group: the process and what its function started (unless that left the group)."""
@@ -1852,8 +1872,11 @@ def serve_rewards(fd):
     search_path, spec = connection.recv()
     sys.path[:] = search_path  # the trainer's: its modules found as they would be there
     fn, error = resolve_reward_fn(spec)
-    connection.send(error)
-    while fn is not None:
+    if error:
+        connection.send(("raised", error))
+        return
+    connection.send(("loaded", None))
+    while True:
         try:
             texts, answers = connection.recv()
         except EOFError:  # the trainer ended
@@ -2095,7 +2118,7 @@ def check_common_args(args, responses_per_iteration):
         lambda v: all(abs(w) <= most for w in v),
     )
     for spec in args.reward_fn:  # each one loads (or says why) before any model does
-        load_reward_fn(spec)
+        load_reward_fn(spec, args.reward_timeout)
     # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
