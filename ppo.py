@@ -930,9 +930,8 @@ def load_task(args, device):
     elif args.eval_every:
         message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
         warnings.warn(message, stacklevel=2)
-    reward_fns = [
-        (spec, load_reward_fn(spec, args.reward_timeout)) for spec in args.reward_fn
-    ]  # (spec, function or RewardProcess)
+    # (spec, function or RewardProcess)
+    reward_fns = [(spec, load_reward_fn(spec, args.reward_timeout)) for spec in args.reward_fn]
     return tokenizer, prompts, rows, held_out, sampling, reward_fns
 
 
@@ -1686,8 +1685,8 @@ class RewardProcess:
         self.connection = None
 
     def start(self, timeout, stops):
-        """Starts the process and loads the function there, within timeout and stops as a call: None, or ("raised" or
-        "timeout", the one sentence that says why it cannot), or ("stopped", None)."""
+        """Starts the process and loads the function there, bounded as a call by timeout and stops: None, or ("raised"
+        or "timeout", the one sentence that says why it cannot), or ("stopped", None)."""
         ours, theirs = multiprocessing.Pipe()
         program = f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"
         # -P: the working folder is not first on its path, where a random.py would shadow the standard library's
