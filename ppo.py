@@ -236,8 +236,9 @@ class Args:
     on_reward_error: Literal["stop", "penalty"] = "stop"
     """a reward that raises or is not finite: stop, or score it --missing_eos_penalty below the batch minimum"""
     reward_timeout: float = 600.0
-    """seconds a call of your --reward_fn may take (0.1 to 1e6; 0: no limit): then its process is killed, with all it
-    started, and the call counts as a failed reward (a hung grader); SIGTERM or Ctrl-C ends a call at once"""
+    """seconds a call of your --reward_fn, or its loading, may take (0.1 to 1e6; 0: no limit): then its process is
+    killed, with all it started, and the call counts as a failed reward (a hung grader); SIGTERM or Ctrl-C ends it at
+    once"""
 
     # precision and memory
     mixed_precision: bool = False
