@@ -1,8 +1,9 @@
 """Reward code run where it can always be stopped: each --reward_fn of the user's own runs in a process of its own, a
 fresh interpreter in a process group that a timeout or a stop signal kills whole. Each case is a grader as people
 write them (a shell command, a subprocess, a thread pool, a grader that catches the timeout, a lazy generator, one
-with its own alarm, a math.py, two grader.py) and is compared with what must happen: the call ends within its
-timeout, nothing it started is left, the failure is named as it happened, the scores are those of a plain loop."""
+with its own alarm, a math.py, two grader.py, an import that waits for a service, a random.py in the working folder)
+and is compared with what must happen: the call or the loading ends within its timeout, nothing it started is left,
+the failure is named as it happened, the scores are those of a plain loop."""
 
 import importlib.util
 import math
@@ -297,10 +298,10 @@ def test_a_reward_file_whose_import_hangs_is_refused_within_the_timeout(tmp_path
     path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
     started = time.time()
     with pytest.raises(SystemExit) as refused:
-        ppo.load_reward_fn(f"{path}:score", 2)
+        ppo.load_reward_fn(f"{path}:score", 3)
     assert time.time() - started < 15
     assert refused.value.code == (
-        f"--reward_fn {path}:score: loading it gave no answer within --reward_timeout 2 s; check what its import "
+        f"--reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; check what its import "
         "waits for, or pass a longer --reward_timeout."
     )
     assert gone(int((tmp_path / "pid").read_text()))
@@ -323,7 +324,7 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
         stopped_at.append(time.time())
         stops.append(signal.SIGTERM)
 
-    threading.Thread(target=stop_once_the_import_waits).start()
+    threading.Thread(target=stop_once_the_import_waits, daemon=True).start()
     scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 600, stops)
     assert time.time() - stopped_at[0] < 2
     assert reason == "stopped by a signal"
@@ -332,10 +333,10 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
     assert gone(int((tmp_path / "pid").read_text()))
     (tmp_path / "pid").unlink()
     started = time.time()
-    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 2)
+    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 3)
     assert time.time() - started < 15
     assert reason == (
-        f"an error (TimeoutError: --reward_fn {path}:score: loading it gave no answer within --reward_timeout 2 s; "
+        f"an error (TimeoutError: --reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; "
         "check what its import waits for, or pass a longer --reward_timeout.)"
     )
     assert gone(int((tmp_path / "pid").read_text()))
