@@ -224,8 +224,9 @@ class Args:
     on_reward_error: Literal["stop", "penalty"] = "stop"
     """a reward that raises or is not finite: stop, or score it --missing_eos_penalty below the batch minimum"""
     reward_timeout: float = 600.0
-    """seconds a call of your --reward_fn may take (0.1 to 1e6; 0: no limit): then its process is killed, with all it
-    started, and the call counts as a failed reward (a hung grader); SIGTERM or Ctrl-C ends a call at once"""
+    """seconds a call of your --reward_fn, or its loading, may take (0.1 to 1e6; 0: no limit): then its process is
+    killed, with all it started, and the call counts as a failed reward (a hung grader); SIGTERM or Ctrl-C ends it at
+    once"""
 
     # precision and memory
     mixed_precision: bool = False
@@ -767,7 +768,8 @@ def load_task(args, device):
     elif args.eval_every:
         message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
         warnings.warn(message, stacklevel=2)
-    reward_fns = [(spec, load_reward_fn(spec)) for spec in args.reward_fn]  # (spec, function or RewardProcess)
+    # (spec, function or RewardProcess)
+    reward_fns = [(spec, load_reward_fn(spec, args.reward_timeout)) for spec in args.reward_fn]
     return tokenizer, prompts, rows, held_out, sampling, reward_fns
 
 
@@ -1169,7 +1171,11 @@ def read_rows(path, split, args):
     as written (no cache, no pattern: the path is the file), or of a hub dataset."""
     local = re.search(r"\.(jsonl?|csv|tsv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
     if local and not os.path.isfile(path):
-        what = "is a folder" if os.path.isdir(path) else "does not exist"
+        what = "does not exist"
+        if os.path.isdir(path):
+            what = "is a folder"
+        elif os.path.exists(path):  # a FIFO, a device, a socket
+            what = "is not a regular file"
         raise SystemExit(
             f"dataset file '{path}' {what}; pass a "
             f'file of {{"{args.prompt_field}": ...}} rows (.jsonl, .csv, .tsv, .parquet) or a hub dataset.'
@@ -1194,7 +1200,7 @@ def read_rows(path, split, args):
     if compression:
         try:
             raw = decompress[compression](raw)
-        except (OSError, EOFError, lzma.LZMAError) as e:  # a file cut short, or of another kind
+        except (OSError, EOFError, ValueError, lzma.LZMAError) as e:  # cut short (bz2: ValueError), of another kind
             raise SystemExit(f"dataset file '{path}' is not a whole {compression} file ({e}); check it.") from None
     if kind == "parquet":
         import pyarrow.parquet  # datasets' own reader of parquet
@@ -1213,8 +1219,14 @@ def read_rows(path, split, args):
             f"line {line} of '{path}' is not UTF-8 text (byte {raw[e.start]:#04x}); save it as UTF-8."
         ) from None
     if kind in ("csv", "tsv"):  # every cell as text, as a .jsonl's strings: "119" stays "119", "N/A" stays "N/A"
-        delimiter = "," if kind == "csv" else "\t"
-        reader = csv.reader(io.StringIO(text.removeprefix("\ufeff"), newline=""), delimiter=delimiter)
+        csv.field_size_limit(sys.maxsize)  # a cell as long as memory holds (a grader's test cases), not 131,072
+        stream = io.StringIO(text.removeprefix("\ufeff"), newline="")
+        if kind == "csv":
+            reader = csv.reader(stream)
+            fix = "a cell holding ',' goes in double quotes"
+        else:  # a .tsv: a row a line, every tab a separator, no quoting (a quote is text: a prompt's "...")
+            reader = csv.reader(stream, delimiter="\t", quoting=csv.QUOTE_NONE)
+            fix = "a .tsv cell holds no tab"
         rows = []
         try:
             header = next(reader, [])
@@ -1222,7 +1234,7 @@ def read_rows(path, split, args):
                 if cells and len(cells) != len(header):
                     raise SystemExit(
                         f"line {reader.line_num} of '{path}' has {len(cells)} cells and its header "
-                        f"{len(header)}; fix that line (a cell holding {delimiter!r} goes in double quotes)."
+                        f"{len(header)}; fix that line ({fix})."
                     )
                 if cells:
                     rows.append(dict(zip(header, cells)))
@@ -1230,7 +1242,7 @@ def read_rows(path, split, args):
             raise SystemExit(f"line {reader.line_num} of '{path}' cannot be read ({e}); fix that line.") from None
         return rows
     whole = kind == "json" and text.lstrip().startswith("[")  # one JSON list, else an object a line
-    lines = text.splitlines()
+    lines = text.split("\n")  # never at U+2028, U+2029 or U+0085, which a JSON string may hold (splitlines splits)
     if whole:
         lines = [text]
     rows = []
@@ -1506,9 +1518,9 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
-def load_reward_fn(spec):
+def load_reward_fn(spec, timeout):
     """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function,
-    fn(texts, answers) -> a float each, loaded in a RewardProcess of its own."""
+    fn(texts, answers) -> a float each, loaded in a RewardProcess of its own within timeout seconds (0: no limit)."""
     if spec in REWARD_FNS:
         return REWARD_FNS[spec]
     where, _, name = spec.rpartition(":")
@@ -1517,17 +1529,17 @@ def load_reward_fn(spec):
             f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
             "path/to/file.py:function or package.module:function."
         )
-    return reward_process(spec)
+    return reward_process(spec, timeout)
 
 
 @functools.cache  # one process per function: the argument check starts it, the run uses it
-def reward_process(spec):
+def reward_process(spec, timeout):
     """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process:
     every one stops, rank 0 says it)."""
     process = RewardProcess(spec)
-    errors = [e for e in all_processes(process.start()) if e]
-    if errors:
-        raise SystemExit(errors[0])
+    failures = [f for f in all_processes(process.start(timeout, None)) if f]  # no stops yet: a signal ends the run
+    if failures:
+        raise SystemExit(failures[0][1])
     return process
 
 
@@ -1541,37 +1553,55 @@ class RewardProcess:
         self.process = None
         self.connection = None
 
-    def start(self):
-        """Starts the process and loads the function there: None, or the one sentence that says why it cannot."""
+    def start(self, timeout, stops):
+        """Starts the process and loads the function there, bounded as a call by timeout and stops: None, or ("raised"
+        or "timeout", the one sentence that says why it cannot), or ("stopped", None)."""
         ours, theirs = multiprocessing.Pipe()
-        command = [sys.executable, "-u", "-c", f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"]
+        program = f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"
+        # -P: the working folder is not first on its path, where a random.py would shadow the standard library's
+        command = [sys.executable, "-P", "-u", "-c", program]
         self.process = subprocess.Popen(
             command, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], start_new_session=True
         )
         theirs.close()
         self.connection = ours
-        try:
-            ours.send((sys.path, self.spec))
-            error = ours.recv()
-        except (EOFError, OSError):  # os._exit() at import, a crash
-            error = f"--reward_fn {self.spec}: the process loading it ended (exit code {self.process.wait()}); fix it."
-        if error:
+        kind, got = self.ask((sys.path, self.spec), timeout, stops)
+        if kind == "loaded":
+            return None
+        if kind == "timeout":  # a grader whose import waits for a service that is down
+            return kind, (
+                f"--reward_fn {self.spec}: loading it gave no answer within --reward_timeout {timeout:g} s; check "
+                "what its import waits for, or pass a longer --reward_timeout."
+            )
+        if kind == "ended":  # os._exit() at import, a crash
+            return "raised", f"--reward_fn {self.spec}: the process loading it ended (exit code {got}); fix it."
+        if kind == "raised":  # resolve_reward_fn's sentence: the process ends
             self.kill()
-        return error
+        return kind, got
 
     def call(self, texts, answers, timeout, stops):
-        """reward_reply's answer from the process, or ("timeout", why) after timeout seconds (0: no limit), or
-        ("stopped", None) as soon as stops holds a signal: then the process group is killed."""
+        """reward_reply's answer from the process (started first where it is not), or ("timeout", why) after timeout
+        seconds (0: no limit), or ("stopped", None) as soon as stops holds a signal: then its group is killed."""
         if stops and any(isinstance(r, int) for r in stops):  # the run is stopping: no call begins
             return "stopped", None
         if self.process is None:
-            error = self.start()
-            if error:
-                return "raised", error
+            failed = self.start(timeout, stops)
+            if failed:
+                return failed
+        kind, got = self.ask((texts, answers), timeout, stops)
+        if kind == "timeout":
+            return kind, f"no answer within --reward_timeout {timeout:g} s"
+        if kind == "ended":  # os._exit() in the function, a crash, a kill from outside
+            return "raised", f"the process running it ended (exit code {got})"
+        return kind, got
+
+    def ask(self, message, timeout, stops):
+        """Sends message and gives the process's answer, or ("stopped", None) as soon as stops holds a signal,
+        ("timeout", None) after timeout seconds (0: no limit) or ("ended", its exit code): its group then killed."""
         try:
-            self.connection.send((texts, answers))
+            self.connection.send(message)
         except OSError:  # it ended since the last call (killed from outside): a broken pipe, a reset connection
-            return "raised", f"the process running it ended (exit code {self.kill()})"
+            return "ended", self.kill()
         end = time.monotonic() + timeout
         while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
             if stops and any(isinstance(r, int) for r in stops):
@@ -1579,11 +1609,11 @@ class RewardProcess:
                 return "stopped", None
             if timeout and time.monotonic() > end:
                 self.kill()
-                return "timeout", f"no answer within --reward_timeout {timeout:g} s"
+                return "timeout", None
         try:
             return self.connection.recv()
-        except (EOFError, OSError):  # os._exit() in the function, a crash, a kill from outside
-            return "raised", f"the process running it ended (exit code {self.kill()})"
+        except (EOFError, OSError):  # it ended: os._exit(), a crash, a kill from outside
+            return "ended", self.kill()
 
     def kill(self):
         """Kills the process group: the process and what its function started (unless that left the group)."""
@@ -1685,8 +1715,11 @@ def serve_rewards(fd):
     search_path, spec = connection.recv()
     sys.path[:] = search_path  # the trainer's: its modules found as they would be there
     fn, error = resolve_reward_fn(spec)
-    connection.send(error)
-    while fn is not None:
+    if error:
+        connection.send(("raised", error))
+        return
+    connection.send(("loaded", None))
+    while True:
         try:
             texts, answers = connection.recv()
         except EOFError:  # the trainer ended
@@ -1840,7 +1873,9 @@ def check_common_args(args, responses_per_iteration):
             f"{', '.join(embedded)} default to the embedded example in '{ASSETS}', which is not beside "
             "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset)."
         )
-    require(args, [f.name for f in fields(args) if f.type is float], "must be finite", math.isfinite)
+    most = torch.finfo(torch.float32).max  # a float option meets float32 tensors (a clamp's bound, a weight)
+    floats = [f.name for f in fields(args) if f.type is float]
+    require(args, floats, f"must be finite and within +-{most:.3g}", lambda v: abs(v) <= most)  # nan fails it too
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
     timeout_range = "must be 0 (no limit) or from 0.1 s (how often a call is checked) to 1e6 s"
@@ -1915,7 +1950,6 @@ def check_common_args(args, responses_per_iteration):
     same_name = "gives two functions one name, and each logs its scores as reward/<name>; rename one"
     require(args, ("reward_fn",), same_name, lambda v: len(set(names)) == len(names))
     require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
-    most = torch.finfo(torch.float32).max  # the weights multiply float32 scores
     require(
         args,
         ("reward_weights",),
@@ -1923,7 +1957,7 @@ def check_common_args(args, responses_per_iteration):
         lambda v: all(abs(w) <= most for w in v),
     )
     for spec in args.reward_fn:  # each one loads (or says why) before any model does
-        load_reward_fn(spec)
+        load_reward_fn(spec, args.reward_timeout)
     # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
@@ -2515,13 +2549,17 @@ def lock_output_dir(folder):
     """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
     path = os.path.join(folder, "run.lock")
     me = f"process {os.getpid()} on {os.uname().nodename}"
-    try:
-        f = open(path, "a+")
-    except OSError as e:  # a folder of that name, a file or folder without write permission
+    try:  # open's "a+", but a link is never followed: written through, the file it names would be emptied
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666)
+    except OSError as e:  # a link, a folder of that name, a file or folder without write permission
+        why = e.strerror
+        if os.path.islink(path):  # said so, not as O_NOFOLLOW's "Too many levels of symbolic links"
+            why = "it is a symbolic link, which is never written through"
         raise SystemExit(
-            f"--output_dir '{folder}' cannot be locked: its run.lock cannot be opened for writing ({e.strerror}); "
+            f"--output_dir '{folder}' cannot be locked: its run.lock cannot be opened for writing ({why}); "
             "remove it or make it writable, or pass another --output_dir."
         ) from None
+    f = os.fdopen(fd, "a+")
     before = os.pread(f.fileno(), 1000, 0).decode(errors="replace")  # the process holding it, or that held it last
     try:
         os.lockf(f.fileno(), os.F_TLOCK, 0)

@@ -39,28 +39,90 @@ POLICY = os.path.join(ROOT, "assets", "tiny-sft")
 CELLS = ["119", "3.5", "N/A", "NA", "null", "None", "nan", "#N/A", "", "007", "1,234"]
 
 
-def table(delimiter):
-    """A header and a row per answer in CELLS (a prompt with the delimiter in it, quoted), as text."""
-    lines = [f"prompt{delimiter}answer"]
+# A prompt with each format's own hard character: a .csv's comma (in a quoted cell), a .tsv's quotes (it has no quoting)
+PROMPTS = {"csv": "{i}, what is it?", "tsv": '{i} "what" is it?'}
+
+
+def table(kind):
+    """A header and a row per answer in CELLS, as text: a .csv's cells quoted, a .tsv's as they are."""
+    lines = []
     for i, cell in enumerate(CELLS):
-        lines.append(f'"{i}{delimiter} what is it?"{delimiter}"{cell}"')
-    return "\n".join(lines) + "\n"
+        prompt = PROMPTS[kind].format(i=i)
+        if kind == "csv":
+            lines.append(f'"{prompt}","{cell}"')
+        else:
+            lines.append(f"{prompt}\t{cell}")
+    header = {"csv": "prompt,answer", "tsv": "prompt\tanswer"}[kind]
+    return "\n".join([header, *lines]) + "\n"
 
 
 def test_csv_and_tsv_cells_are_read_as_text_as_the_jsonl_reader_sees_them(tmp_path):
     """Every cell as text, compressed or not: "119" stays "119" beside a "3.5" (not "119.0"), and "N/A", "nan", ""
     stay strings (not None). Before, datasets' csv reader turned them into floats and nulls, and .tsv was not read."""
     args = grpo.Args(eval_every=0)
-    expected = [{"prompt": f"{i}{d} what is it?", "answer": cell} for d in ",\t" for i, cell in enumerate(CELLS)]
-    jsonl = tmp_path / "rows.jsonl"
-    jsonl.write_text("".join(json.dumps(row) + "\n" for row in expected))
-    assert grpo.read_rows(str(jsonl), "train", args) == expected  # the .jsonl reader: the reference
     compressions = {"": bytes, ".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
-    for kind, delimiter, half in (("csv", ",", expected[: len(CELLS)]), ("tsv", "\t", expected[len(CELLS) :])):
+    for kind in ("csv", "tsv"):
+        expected = [{"prompt": PROMPTS[kind].format(i=i), "answer": cell} for i, cell in enumerate(CELLS)]
+        jsonl = tmp_path / f"{kind}.jsonl"
+        jsonl.write_text("".join(json.dumps(row) + "\n" for row in expected))
+        assert grpo.read_rows(str(jsonl), "train", args) == expected  # the .jsonl reader: the reference
         for suffix, compress in compressions.items():
             path = tmp_path / f"rows.{kind}{suffix}"
-            path.write_bytes(compress(table(delimiter).encode()))
-            assert grpo.read_rows(str(path), "train", args) == half, path.name
+            path.write_bytes(compress(table(kind).encode()))
+            assert grpo.read_rows(str(path), "train", args) == expected, path.name
+
+
+def test_a_tsv_is_a_row_a_line_and_its_quotes_are_text(tmp_path):
+    """40 lines of prompts holding quotes, some opened and never closed: 40 rows, each line split at its tabs (before,
+    csv quoting let a cell that opens a quote swallow the lines up to the next quote: 21 rows)."""
+    lines = ["prompt\tanswer"]
+    for i in range(40):
+        quotes = ['say "hi" to {i}', '"{i}" in quotes', '"{i} opens a quote', "it's {i}''"][i % 4]
+        lines.append(f"{quotes.format(i=i)}\t{i}")
+    path = tmp_path / "train.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    expected = [dict(zip(["prompt", "answer"], line.split("\t"))) for line in lines[1:]]
+    assert grpo.read_rows(str(path), "train", grpo.Args()) == expected
+    path.write_text("prompt\tanswer\n1\t+1=\t2\n")  # a tab in a prompt is a separator
+    with pytest.raises(SystemExit, match=r"line 2 of '.*train.tsv' has 3 cells and its header 2; fix that line \(a "):
+        grpo.read_rows(str(path), "train", grpo.Args())
+
+
+def test_json_lines_are_split_at_newlines_alone(tmp_path):
+    """Strings holding a raw U+2028, U+2029 or U+0085 (json.dumps(ensure_ascii=False) writes them so) are read
+    back as written (before, str.splitlines split there and the line was refused as invalid JSON)."""
+    rows = [{"prompt": f"line{sep}break", "answer": "1"} for sep in ("\u2028", "\u2029", "\x85")]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    assert grpo.read_rows(str(path), "train", grpo.Args()) == rows
+
+
+def test_a_csv_cell_longer_than_the_csv_modules_default_limit_is_read(tmp_path):
+    """A grader's test cases in the answer column: a cell of 1,000,000 characters (the csv module refuses past
+    131,072 by default, and the line was refused as bad)."""
+    answer = "assert f(1) == 2\n" * 62_500
+    path = tmp_path / "train.csv"
+    path.write_text(f'prompt,answer\nwrite f,"{answer}"\n')
+    assert grpo.read_rows(str(path), "train", grpo.Args()) == [{"prompt": "write f", "answer": answer}]
+
+
+@pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)])
+def test_a_compressed_file_cut_short_is_one_sentence(suffix, compress, tmp_path):
+    """Half of a compressed file (a copy cut short): one sentence, for .bz2 too (before, bz2's ValueError was a
+    traceback)."""
+    whole = compress(b'{"prompt": "1+1=", "answer": "2"}\n' * 1000)
+    path = tmp_path / f"train.jsonl{suffix}"
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SystemExit, match=f"dataset file '.*train.jsonl{suffix}' is not a whole {suffix} file \\("):
+        grpo.read_rows(str(path), "train", grpo.Args())
+
+
+def test_a_fifo_is_said_to_be_no_regular_file(tmp_path):
+    """A named pipe given as --dataset exists: it is said to be no regular file (before, it "did not exist")."""
+    path = tmp_path / "train.jsonl"
+    os.mkfifo(path)
+    with pytest.raises(SystemExit, match=f"^dataset file '{re.escape(str(path))}' is not a regular file; pass a file"):
+        grpo.read_rows(str(path), "train", grpo.Args())
 
 
 def test_a_csv_row_of_other_width_is_named(tmp_path):
@@ -182,6 +244,20 @@ def test_a_run_lock_that_is_a_folder_or_cannot_be_written_is_one_sentence_before
             grpo.validate(grpo.Args(output_dir=str(out), eval_every=0))
 
 
+def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_path):
+    """run.lock a symbolic link to a file of the user's, or to none: refused in one sentence, the file left as it
+    was and none created (before, the link was followed and the file it names emptied)."""
+    (tmp_path / "notes.txt").write_text("a week of notes")
+    for target in ("notes.txt", "nothing-here"):
+        out = tmp_path / f"run-{target}"
+        out.mkdir()
+        (out / "run.lock").symlink_to(tmp_path / target)
+        with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(it is a symbolic link, "):
+            grpo.lock_output_dir(str(out))
+    assert (tmp_path / "notes.txt").read_text() == "a week of notes"
+    assert not (tmp_path / "nothing-here").exists()
+
+
 def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path, capsys):
     (tmp_path / "run.lock").write_bytes(b"\xff\xfe\x00garbage")
     lock = grpo.lock_output_dir(str(tmp_path))
@@ -198,18 +274,6 @@ def test_reward_weights_must_be_finite_and_within_float32(weight):
     args = grpo.Args(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0, weight))
     with pytest.raises(SystemExit, match=r"--reward_weights must each be finite and within \+-3.4e\+38 \(got "):
         grpo.validate(args)
-
-
-def test_every_finite_float_passes_the_finiteness_check():
-    """1e308 is finite (before, `abs(v) < 1e308` refused it and 1e308 itself); nan and inf are not."""
-    for value in (1e308, -1e308, 1.7976931348623157e308):
-        try:
-            grpo.validate(grpo.Args(clip_range_high=value, ent_coef=abs(value), eval_every=0))
-        except SystemExit as e:  # another rule of the option may refuse it, never its finiteness
-            assert "must be finite" not in str(e.code)
-    for value in (float("nan"), float("inf")):
-        with pytest.raises(SystemExit, match="--ent_coef must be finite"):
-            grpo.validate(grpo.Args(ent_coef=value, eval_every=0))
 
 
 @pytest.mark.parametrize("spec", ["None", "none"])

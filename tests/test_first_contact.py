@@ -166,7 +166,7 @@ def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
     (tmp_path / "rules_pkg" / "__init__.py").write_text("")
     (tmp_path / "rules_pkg" / "arith.py").write_text(SAME_AS_ARITHMETIC)
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = grpo.load_reward_fn("rules_pkg.arith:exact")
+    fn = grpo.load_reward_fn("rules_pkg.arith:exact", 10)
     assert grpo.call_reward_fn(fn, ["12", " 7 ", "x"], ["12", "8", "x"], 10) == ([1.0, 0.0, 1.0], None)
 
 
@@ -176,8 +176,8 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
     command = re.search(
         r"^python grpo\.py --reward_fn my_reward\.py:correct my_reward\.py:bare_number .*$", readme, re.M
     ).group(0)
-    correct = grpo.load_reward_fn(f"{path}:correct")
-    bare_number = grpo.load_reward_fn(f"{path}:bare_number")
+    correct = grpo.load_reward_fn(f"{path}:correct", 10)
+    bare_number = grpo.load_reward_fn(f"{path}:bare_number", 10)
     # by hand: correct and well formed, well formed but wrong, neither
     assert grpo.call_reward_fn(correct, ["12", "13", "twelve"], ["12", "12", "12"], 10) == ([1.0, 0.0, 0.0], None)
     assert grpo.call_reward_fn(bare_number, ["12", "13", "twelve"], ["12"] * 3, 10) == ([1.0, 1.0, 0.0], None)

@@ -181,7 +181,7 @@ def scored(tmp_path, specs, weights=()):
     width = max(map(len, ids))
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in ids])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
-    fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}")) for spec in specs]
+    fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}", 600)) for spec in specs]
     args = ppo.Args(reward_fn=tuple(specs), reward_weights=weights)
     return ppo.score_responses(
         ppo.Scorer([], fns, tokenizer),

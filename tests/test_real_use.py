@@ -405,7 +405,8 @@ def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_time
         "        raise ValueError('batch unsupported')\n"
         "    time.sleep(30)\n"
     )
-    scores, why = grpo.call_reward_fn(grpo.load_reward_fn(f"{rule}:grader"), ["a", "b", "c"], [1, 2, 3], timeout=0.5)
+    reward_fn = grpo.load_reward_fn(f"{rule}:grader", 10)
+    scores, why = grpo.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], timeout=0.5)
     assert (tmp_path / "calls").read_text().split() == ["3", "1"]
     assert all(s != s for s in scores)
     assert len(scores) == 3

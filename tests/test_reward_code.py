@@ -1,12 +1,14 @@
 """Reward code run where it can always be stopped: each --reward_fn of the user's own runs in a process of its own, a
 fresh interpreter in a process group that a timeout or a stop signal kills whole. Each case is a grader as people
 write them (a shell command, a subprocess, a thread pool, a grader that catches the timeout, a lazy generator, one
-with its own alarm, a math.py, two grader.py) and is compared with what must happen: the call ends within its
-timeout, nothing it started is left, the failure is named as it happened, the scores are those of a plain loop."""
+with its own alarm, a math.py, two grader.py, an import that waits for a service, a random.py in the working folder)
+and is compared with what must happen: the call or the loading ends within its timeout, nothing it started is left,
+the failure is named as it happened, the scores are those of a plain loop."""
 
 import importlib.util
 import math
 import pathlib
+import random
 import re
 import signal
 import subprocess
@@ -123,7 +125,7 @@ TIMED_OUT = "an error (TimeoutError: no answer within --reward_timeout 1 s)"
 )
 def test_a_reward_call_ends_within_its_timeout_with_everything_it_started(graders, name, why):
     threads_before = threading.active_count()
-    reward_fn = ppo.load_reward_fn(f"{graders}:{name}")
+    reward_fn = ppo.load_reward_fn(f"{graders}:{name}", 30)
     started = time.time()
     scores, reason = ppo.call_reward_fn(reward_fn, ["a response"], ["its answer"], 1)
     assert time.time() - started < 15
@@ -145,7 +147,7 @@ def gone(pid, seconds=5):
 def test_nothing_a_grader_started_outlives_the_trainer(graders):
     """The trainer killed with SIGKILL (none of its code runs) while its grader waits on a subprocess: the reward
     process sees the trainer's end of its stdin close and kills its group (before: the subprocess lived on)."""
-    call = f"import ppo; ppo.call_reward_fn(ppo.load_reward_fn({str(graders)!r} + ':popen'), ['a'], [1], 0)"
+    call = f"import ppo; ppo.call_reward_fn(ppo.load_reward_fn({str(graders)!r} + ':popen', 0), ['a'], [1], 0)"
     trainer = subprocess.Popen([sys.executable, "-c", call], cwd=ROOT, env=ENV)
     started = graders.parent / "pids" / "popen"
     while not started.exists() or not started.read_text():
@@ -159,7 +161,7 @@ def test_nothing_a_grader_started_outlives_the_trainer(graders):
 def test_a_stop_signal_ends_a_reward_call_at_once_whatever_the_timeout(graders):
     """SIGTERM or Ctrl-C (a signal in stops) while the grader hangs, under the default 600 s timeout: the call is
     left within a second, its process killed; the next call starts a fresh one."""
-    reward_fn = ppo.load_reward_fn(f"{graders}:popen")
+    reward_fn = ppo.load_reward_fn(f"{graders}:popen", 600)
     stops = []
     threading.Timer(0.5, stops.append, [signal.SIGTERM]).start()
     started = time.time()
@@ -180,7 +182,7 @@ def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_ha
     other_thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # the trainer has other threads
     other_thread.start()
     assert "torch" in sys.modules
-    scores = ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where"), ["a", "b", "c"], [1, 2, 3], 10)
+    scores = ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where", 10), ["a", "b", "c"], [1, 2, 3], 10)
     assert scores == ([1.0, 0.0, 1.0], None)
 
 
@@ -194,7 +196,7 @@ def test_a_reward_process_started_again_runs_the_code_the_run_began_with(graders
     found = importlib.util.spec_from_file_location("trainer_copy", copy)
     trainer = importlib.util.module_from_spec(found)
     found.loader.exec_module(trainer)
-    reward_fn = trainer.load_reward_fn(f"{graders}:where")
+    reward_fn = trainer.load_reward_fn(f"{graders}:where", 10)
     first = trainer.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], 10)
     copy.write_text("# edited while the run goes on\n" * 7 + copy.read_text())
     reward_fn.kill()  # as a timeout or a stop does: the next call starts a new process
@@ -223,7 +225,7 @@ def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_
     path_before = list(sys.path)
     texts = ["a", "bb", "ccc"]
     for name, value in (("math", 4), ("numpy", 9), ("grader", 16), ("other/grader", 25)):
-        reward_fn = ppo.load_reward_fn(f"{folders[name]}:score")
+        reward_fn = ppo.load_reward_fn(f"{folders[name]}:score", 30)
         expected = [value**0.5 * len(t) for t in texts]
         assert ppo.call_reward_fn(reward_fn, texts, [1, 2, 3], 30) == (expected, None), name
     assert sys.modules["math"].sqrt(4) == 2.0
@@ -269,3 +271,98 @@ def test_reward_options_out_of_range_are_refused_in_one_sentence(changes, messag
     args = ppo.Args(**changes)
     with pytest.raises(SystemExit, match="^" + re.escape(message)):
         ppo.check_common_args(args, args.rollout_batch_size)
+
+
+HANGS_AT_IMPORT = """
+import os
+import subprocess
+import time
+
+if os.path.exists({mark!r}):  # loaded before: its service is down now, and the import waits on a program
+    waiting = subprocess.Popen(["sleep", "120"])
+    open({pid!r}, "w").write(str(waiting.pid))
+    waiting.wait()
+open({mark!r}, "w").close()
+
+
+def score(responses, answers):
+    time.sleep(120)
+"""
+
+
+def test_a_reward_file_whose_import_hangs_is_refused_within_the_timeout(tmp_path):
+    """The grader's service is down when the run begins: loading it is refused within --reward_timeout, and what its
+    import started is killed (before, the start waited on the pipe with no timeout: the run hung before any model)."""
+    (tmp_path / "loaded").write_text("")
+    path = tmp_path / "grader.py"
+    path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
+    started = time.time()
+    with pytest.raises(SystemExit) as refused:
+        ppo.load_reward_fn(f"{path}:score", 3)
+    assert time.time() - started < 15
+    assert refused.value.code == (
+        f"--reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; check what its import "
+        "waits for, or pass a longer --reward_timeout."
+    )
+    assert gone(int((tmp_path / "pid").read_text()))
+
+
+def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_loading(tmp_path):
+    """A call times out and its process is killed; the next call starts it again, and by then the import hangs (the
+    service went down). A stop signal ends that start within a second, a timeout within --reward_timeout, each
+    killing what the import started (before, the start waited on the pipe forever and a SIGTERM did nothing)."""
+    path = tmp_path / "grader.py"
+    path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
+    reward_fn = ppo.load_reward_fn(f"{path}:score", 30)
+    assert ppo.call_reward_fn(reward_fn, ["a"], [1], 1)[1] == TIMED_OUT
+    stops = []
+    stopped_at = []
+
+    def stop_once_the_import_waits():
+        while not (tmp_path / "pid").exists():
+            time.sleep(0.05)
+        stopped_at.append(time.time())
+        stops.append(signal.SIGTERM)
+
+    threading.Thread(target=stop_once_the_import_waits, daemon=True).start()
+    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 600, stops)
+    assert time.time() - stopped_at[0] < 2
+    assert reason == "stopped by a signal"
+    assert math.isnan(scores[0])
+    assert reward_fn.process is None
+    assert gone(int((tmp_path / "pid").read_text()))
+    (tmp_path / "pid").unlink()
+    started = time.time()
+    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 3)
+    assert time.time() - started < 15
+    assert reason == (
+        f"an error (TimeoutError: --reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; "
+        "check what its import waits for, or pass a longer --reward_timeout.)"
+    )
+    assert gone(int((tmp_path / "pid").read_text()))
+
+
+STANDARD_NAMES = "raise ImportError('{where} random.py was imported in place of the standard library\\'s')\n"
+
+
+def test_modules_of_standard_names_in_the_working_folder_or_beside_the_file_shadow_nothing(tmp_path, monkeypatch):
+    """A random.py in the working folder and beside the reward file: the reward process's own imports (tempfile
+    imports random) and the grader's `import random` get the standard library's, and a module beside the file still
+    imports (before, the process died importing the working folder's random.py, and the message blamed the file)."""
+    work = tmp_path / "work"
+    rules = tmp_path / "rules"
+    for folder in (work, rules):
+        folder.mkdir()
+        (folder / "random.py").write_text(STANDARD_NAMES.format(where=folder.name))
+    (rules / "helper.py").write_text("BONUS = 0.5\n")
+    (rules / "grader.py").write_text(
+        "import random\n"
+        "import helper\n"
+        "def score(responses, answers):\n"
+        "    return [helper.BONUS + random.Random(len(r)).random() for r in responses]\n"
+    )
+    monkeypatch.chdir(work)
+    texts = ["a", "bb"]
+    expected = [0.5 + random.Random(len(t)).random() for t in texts]
+    reward_fn = ppo.load_reward_fn(f"{rules / 'grader.py'}:score", 30)
+    assert ppo.call_reward_fn(reward_fn, texts, [1, 2], 30) == (expected, None)

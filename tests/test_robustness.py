@@ -505,9 +505,10 @@ COMMON_BAD = [
     (dict(minibatch_size=8, micro_batch_size=3), "must divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
     # non-finite floats pass every comparison but "finite"; a seed past 9e12 overflows the generator's 64 bits
-    (dict(kl_coef=float("inf")), "--kl_coef must be finite \\(got inf\\)"),
+    (dict(kl_coef=float("inf")), "--kl_coef must be finite and within \\+-3.4e\\+38 \\(got inf\\)"),
     (dict(temperature=float("inf")), "--temperature must be finite"),
-    (dict(ent_coef=float("nan")), "--ent_coef must be finite \\(got nan\\)"),
+    (dict(ent_coef=float("nan")), "--ent_coef must be finite and within \\+-3.4e\\+38 \\(got nan\\)"),
+    (dict(kl_coef=1e39), "--kl_coef must be finite and within \\+-3.4e\\+38 \\(got 1e\\+39\\)"),  # inf in float32
     (dict(lora_alpha=float("inf")), "--lora_alpha must be finite"),
     (dict(seed=2 * 10**13), "--seed must lie in \\[0, 9e12\\]"),
     (dict(seed=2**63 - 1), "--seed must lie in"),
@@ -537,6 +538,19 @@ def test_bad_arguments_fail_with_one_sentence_in_every_script(script, kw, messag
         pytest.skip("ppo.py has no groups")
     with pytest.raises(SystemExit, match=message):
         MODULES[script].validate(args_for(script, tmp_path / "run", **kw))
+
+
+def test_a_float_option_must_fit_in_float32():
+    """1e308 is finite in Python and inf in a float32 tensor: --clip_range_high 1e308 is refused in one sentence
+    (before, the first step's torch.clamp overflowed: a traceback); float32's largest passes that check."""
+    most = torch.finfo(torch.float32).max
+    for value in (1e308, 3.5e38, float("inf")):
+        with pytest.raises(SystemExit, match=r"^--clip_range_high must be finite and within \+-3.4e\+38 \(got "):
+            grpo.validate(grpo.Args(clip_range_high=value, eval_every=0))
+    try:
+        grpo.validate(grpo.Args(clip_range_high=most, ent_coef=most, eval_every=0))
+    except SystemExit as e:  # another rule of the option may refuse it, never its range
+        assert "within +-" not in str(e.code)
 
 
 @pytest.mark.parametrize("script", list(MODULES))
