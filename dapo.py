@@ -709,7 +709,7 @@ def main(args):
                 mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
                 mb_sequences = mb_mask.amax(1).sum().item()  # responses it trains on
                 mine = mb_idx.chunk(args.world_size)[rank]  # this process's share
-                if mb_tokens == 0:  # every response left out (zero signal): no step, not even Adam's momentum
+                if mb_tokens == 0:  # every response left out: no step, not even Adam's momentum
                     continue
                 for micro_idx in by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):  # sorted
                     micro, p = cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # cut: (micro, p + T')

@@ -627,31 +627,31 @@ def main(args):
             raw_advantages, returns = gae_advantages(rewards, values_old, response_mask, args.gamma, args.lam)
         clock.lap("score")
 
-        # --- 5. optimise: the whole rollout on every process, its advantages whitened over all of it; epochs of
-        # shuffled minibatches, each process taking its share, in micro-batches ---
-        rollout = gather_rows(
-            dict(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                response_mask=response_mask,
-                has_eos=has_eos.float(),
-                logprobs_old=logprobs_old,
-                raw_advantages=raw_advantages,
-                values_old=values_old,
-                returns=returns,
-                train_mask=train_mask,
-            )
+        # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
+        rollout = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            has_eos=has_eos.float(),
+            train_mask=train_mask,
+            logprobs_old=logprobs_old,
+            raw_advantages=raw_advantages,
+            values_old=values_old,
+            returns=returns,
         )
-        rollout["advantages"] = masked_whiten(rollout["raw_advantages"], rollout["response_mask"])  # (N, T)
+        rollout = gather_rows(rollout)
+        # whitened over the whole rollout, every process's: (N, T)
+        rollout["advantages"] = masked_whiten(rollout["raw_advantages"], rollout["response_mask"])
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
         adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
         for _epoch in range(args.num_epochs):
             perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
-                mb_tokens = rollout["train_mask"][mb_idx].sum().item()  # in the global minibatch: the loss's divisor
+                mb_mask = rollout["train_mask"][mb_idx]
+                mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
                 mine = mb_idx.chunk(args.world_size)[rank]  # this process's share
-                if mb_tokens == 0:  # every response left out (--mask_truncated): no step, not even Adam's momentum
+                if mb_tokens == 0:  # every response left out: no step, not even Adam's momentum
                     continue
                 for micro_idx in by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):  # sorted
                     micro, p = cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # cut: (micro, p + T')
