@@ -570,9 +570,12 @@ def main(args):
     # --- 0. set-up: one process per device under torchrun (a plain run needs none); the data checked first ---
     # >>> shared: set-up
     rank, device = start_processes(args)
-    validate(args)
+    validate(args)  # every argument checked: nothing is created or started before
+    lock_output_dir(args)  # one run per folder
+    reward_fns = load_reward_fns(args)  # your functions each started in a process of its own
+    find_checkpoint(args)  # --resume: which checkpoint to go on from
     torch.manual_seed(args.seed)  # the same on every process: new weights (a head, adapters) start the same
-    tokenizer, prompts, rows, held_out, sampling, reward_fns = load_task(args, device)
+    tokenizer, prompts, rows, held_out, sampling = load_task(args, device)
     # <<< shared: set-up
     G = args.num_generations
     responses_per_iteration = args.rollout_batch_size * G
@@ -834,7 +837,8 @@ class Sampling:
 
 
 def load_task(args, device):
-    """The tokenizer, prompts and rows, held-out (prompts, rows), how to sample and the rules, before any model."""
+    """The tokenizer, prompts and rows, held-out (prompts, rows) and how to sample, every row checked, before any
+    model loads."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
@@ -853,9 +857,7 @@ def load_task(args, device):
     elif args.eval_every:
         message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
         warnings.warn(message, stacklevel=2)
-    # (spec, function or RewardProcess)
-    reward_fns = [(spec, load_reward_fn(spec, args.reward_timeout)) for spec in args.reward_fn]
-    return tokenizer, prompts, rows, held_out, sampling, reward_fns
+    return tokenizer, prompts, rows, held_out, sampling
 
 
 def check_model_path(path, kind, what):
@@ -1603,6 +1605,12 @@ def gsm8k_reward(responses, answers):
 REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
+def load_reward_fns(args):
+    """Each --reward_fn as (spec, its function or RewardProcess), yours each started in a process of its own with its
+    function loaded; the first that cannot be is said in one sentence."""
+    return [(spec, load_reward_fn(spec, args.reward_timeout)) for spec in args.reward_fn]
+
+
 def load_reward_fn(spec, timeout):
     """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function,
     fn(texts, answers) -> a float each, loaded in a RewardProcess of its own within timeout seconds (0: no limit)."""
@@ -1950,8 +1958,8 @@ def require(args, names, rule, ok):
 
 
 def check_common_args(args, responses_per_iteration):
-    """The checks every script shares. Nothing is created here but the lock of an --output_dir that exists (taken
-    before anything there is read): a run that cannot start leaves nothing behind."""
+    """The checks every script shares, before any model loads; nothing is created or started here: a run that cannot
+    start leaves nothing behind."""
     embedded = [f"--{f.name}" for f in fields(args) if ASSETS in str(f.default) and getattr(args, f.name) == f.default]
     if embedded and not os.path.isdir(ASSETS):  # this file copied alone
         raise SystemExit(
@@ -2007,18 +2015,11 @@ def check_common_args(args, responses_per_iteration):
         lambda v: responses_per_iteration % v == 0,
     )
     local_minibatch = args.minibatch_size // args.world_size
-    if args.micro_batch_size > local_minibatch:  # an upper bound, so that the defaults hold under torchrun too
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(
-                f"--micro_batch_size {args.micro_batch_size} is more than the per-process minibatch of "
-                f"{local_minibatch} ({args.world_size} processes); using {local_minibatch}."
-            )
-        args.micro_batch_size = local_minibatch
     require(
         args,
         ("micro_batch_size",),
-        f"must divide the per-process minibatch of {local_minibatch}",
-        lambda v: local_minibatch % v == 0,
+        f"must divide the per-process minibatch of {local_minibatch}, or be at least it (one micro-batch)",
+        lambda v: v >= local_minibatch or local_minibatch % v == 0,  # at least: the defaults hold under torchrun
     )
     require(
         args,
@@ -2041,8 +2042,6 @@ def check_common_args(args, responses_per_iteration):
         f"must each be finite and within +-{most:.3g}",
         lambda v: all(abs(w) <= most for w in v),
     )
-    for spec in args.reward_fn:  # each one loads (or says why) before any model does
-        load_reward_fn(spec, args.reward_timeout)
     # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
     if args.decode == "auto":
         args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
@@ -2072,10 +2071,6 @@ def check_common_args(args, responses_per_iteration):
         )
     for path in args.reward_model_path:
         check_model_path(path, "sequence classifier", "--reward_model_path")
-    if os.path.isdir(args.output_dir) and int(os.environ.get("RANK", 0)) == 0:  # before anything there is read
-        lock_output_dir(args.output_dir)
-    all_processes(None)  # under torchrun the others wait: none reads the folder before rank 0 holds it (or has exited)
-    find_checkpoint(args)
     existing = os.path.abspath(args.output_dir)
     while not os.path.exists(existing):  # its nearest existing folder, where it will be made
         existing = os.path.dirname(existing)
@@ -2629,8 +2624,16 @@ class Stopwatch:
         self.last = now
 
 
-@functools.cache  # held from the first call (the checks, where the folder exists) until the process ends
-def lock_output_dir(folder):
+def lock_output_dir(args):
+    """One run per folder: rank 0 locks an --output_dir that exists before anything there is read (a new one is
+    locked when the log makes it); under torchrun the others wait until it holds the lock, or has exited."""
+    if os.path.isdir(args.output_dir) and int(os.environ.get("RANK", 0)) == 0:
+        take_lock(args.output_dir)
+    all_processes(None)
+
+
+@functools.cache  # held from the first call until the process ends
+def take_lock(folder):
     """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
     path = os.path.join(folder, "run.lock")
     me = f"process {os.getpid()} on {os.uname().nodename}"
@@ -2692,7 +2695,7 @@ class Log:
         self.wandb = None
         if self.on:
             os.makedirs(args.output_dir, exist_ok=True)
-            self.lock = lock_output_dir(args.output_dir)  # before anything is written there
+            self.lock = take_lock(args.output_dir)  # before anything is written there
             pathlib.Path(args.output_dir, "args.json").write_text(json.dumps(asdict(args), indent=2))
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
             if args.resume:  # the log as far as the checkpoint goes, then on from there
@@ -2834,6 +2837,11 @@ def finish(policy, tokenizer, log, state, args, rank):
 
 if __name__ == "__main__":
     try:
+        if any(arg.split("=")[0] in ("--num_iterations", "--num-iterations") for arg in sys.argv[1:]):  # TRL's name
+            raise SystemExit(
+                "--num_iterations (TRL's passes over each rollout) is --num_epochs here; the number of iterations "
+                "follows from --total_episodes."
+            )
         main(tyro.cli(Args, use_underscores=True))
     except SystemExit as e:  # a sentence that stops the run: said once, by rank 0; every process exits with 1
         if not isinstance(e.code, str):

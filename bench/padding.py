@@ -90,17 +90,17 @@ def rollout_lengths(script, policy_path, rollouts):
         args.model_name_or_path = policy_path
     args.world_size = 1
     device = torch.device("cpu")
-    tokenizer, prompts, _, _, sampling, _ = module.load_task(args, device)
+    tokenizer, prompts, _, _, sampling = module.load_task(args, device)
     sampling = dataclasses.replace(sampling, decode="dynamic")  # args.decode is "auto" here, unresolved
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).eval()
     G = getattr(args, "num_generations", 1)
-    state = dict(data_epoch=0, data_cursor=0)
+    position = (0, 0)
     prompt_lens = []
     response_lens = []
     for iteration in range(1, rollouts + 1):
-        idx, width = module.next_prompts(prompts, state, args, 0)
+        idx, width, position = module.next_prompts(prompts, position, args, 0)
         idx = [i for i in idx for _ in range(G)]
         prompt_ids, prompt_mask = module.left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
         rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)

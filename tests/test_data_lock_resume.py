@@ -253,14 +253,14 @@ def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_p
         out.mkdir()
         (out / "run.lock").symlink_to(tmp_path / target)
         with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(it is a symbolic link, "):
-            grpo.lock_output_dir(str(out))
+            grpo.take_lock(str(out))
     assert (tmp_path / "notes.txt").read_text() == "a week of notes"
     assert not (tmp_path / "nothing-here").exists()
 
 
 def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path, capsys):
     (tmp_path / "run.lock").write_bytes(b"\xff\xfe\x00garbage")
-    lock = grpo.lock_output_dir(str(tmp_path))
+    lock = grpo.take_lock(str(tmp_path))
     assert "garbage has ended; this run takes the folder over" in capsys.readouterr().out
     assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
     lock.close()

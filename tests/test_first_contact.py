@@ -4,10 +4,12 @@ and inputs that must end in one sentence before any model loads, leaving nothing
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import ROOT, readme_files, run_script, tiny_run, torchrun
+from helpers import ENV, ROOT, readme_files, run_script, tiny_run, torchrun
 
 import grpo
 import ppo
@@ -114,9 +116,8 @@ def test_the_defaults_run_under_torchrun_on_two_processes(script, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["iteration"] for r in rows] == [1]
-    lowered = re.findall(r"--micro_batch_size \d+ is more than the per-process minibatch of \d+", done.stdout)
-    assert len(lowered) == 1  # said once, by rank 0
-    assert json.load(open(tmp_path / "args.json"))["micro_batch_size"] == int(lowered[0].split()[-1])
+    # the default --micro_batch_size, above the per-process minibatch, is one micro-batch: kept as given, not rewritten
+    assert json.load(open(tmp_path / "args.json"))["micro_batch_size"] == MODULES[script].Args().micro_batch_size
 
 
 @pytest.mark.parametrize("processes", [1, 2, 4, 8])
@@ -252,3 +253,23 @@ def test_model_paths_are_blamed_on_the_right_flag(tmp_path):
     with pytest.raises(SystemExit, match="has no tokenizer"):
         ppo.validate(ppo.Args(model_name_or_path=str(no_tokenizer), output_dir=str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
+
+
+def test_computed_fields_are_not_options_and_trls_num_iterations_is_named(tmp_path):
+    """--num_iterations is computed from --total_episodes (and --world_size from torchrun); a TRL user's
+    --num_iterations, TRL's passes over each rollout, is refused naming --num_epochs instead of being ignored."""
+    for given in (["--num_iterations", "4"], ["--num_iterations=4"]):
+        done = subprocess.run(
+            [sys.executable, "grpo.py", "--output_dir", str(tmp_path / "run"), *given],
+            cwd=ROOT,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1
+        assert "--num_iterations (TRL's passes over each rollout) is --num_epochs here" in done.stderr
+        assert not (tmp_path / "run").exists()
+    shown = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert "--total_episodes" in shown.stdout
+    assert "--num_iterations" not in shown.stdout and "--world_size" not in shown.stdout

@@ -592,8 +592,7 @@ def test_smoke_run_with_rule_reward(tmp_path):
         for k in ("eval/score", "eval/score_greedy")
     )
     args = json.loads((out / "args.json").read_text())
-    # the critic starts from the policy when there is no reward model (the embedded one, found beside the script)
-    assert args["value_model_path"] == args["model_name_or_path"] == os.path.join(ROOT, "assets", "tiny-sft")
+    assert args["value_model_path"] is None  # not rewritten: the critic starts from the policy (no reward model)
 
 
 def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):

@@ -335,9 +335,9 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path):
 
 
 def test_a_resume_may_raise_the_reward_timeout_and_change_the_micro_batch(tmp_path):
-    """A run stopped by a hung reward is resumed with a longer --reward_timeout; a checkpoint saved under torchrun,
-    which lowers --micro_batch_size to the per-process minibatch, is resumed on one process with the command that
-    made it: neither counts as a changed argument (the micro-batch changes the order of the float sums alone)."""
+    """A run stopped by a hung reward is resumed with a longer --reward_timeout; a checkpoint saved
+    with another --micro_batch_size is resumed with the default: neither counts as a changed argument (the
+    micro-batch changes the order of the float sums alone)."""
     out = tmp_path / "run"
     run_script("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1, micro_batch_size=4, reward_timeout=30))
     assert grpo.read_json(out / "checkpoint-2" / "args.json")["micro_batch_size"] == 4
@@ -566,7 +566,7 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(os, "lockf", no_locks)
-    lock = grpo.lock_output_dir(str(tmp_path))
+    lock = grpo.take_lock(str(tmp_path))
     assert (
         "this file system cannot lock (No locks available): a second run here would not be refused"
         in capsys.readouterr().out
