@@ -79,6 +79,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging as hf_logging
 
 # >>> shared: running alone
+try:  # generate's decode steps on a static cache, each one CUDA graph (rlhf_kernels/): one launch a step on one GPU
+    from rlhf_kernels import static_decode
+except ImportError:  # this file copied alone: generate decodes with its own plain loop
+    static_decode = None
 try:  # the fused log-softmax-gather of this file's repository (rlhf_kernels/): no float32 copy of the logits
     from rlhf_kernels import token_logprobs
 except ImportError:  # this file copied alone: the same log-probs from plain torch (start_processes says so)
@@ -89,12 +93,6 @@ except ImportError:  # this file copied alone: the same log-probs from plain tor
         chosen = logp.gather(-1, tokens[..., None]).squeeze(-1)  # (...)
         entropy = -(logp.exp() * logp.clamp(min=-1e4)).sum(-1)  # the clamp: 0 * -inf would be nan
         return (chosen, entropy) if return_entropy else chosen
-
-
-try:  # generate's decode steps on a static cache, each one CUDA graph (rlhf_kernels/): one launch a step on one GPU
-    from rlhf_kernels import static_decode
-except ImportError:  # this file copied alone: generate decodes with its own plain loop
-    static_decode = None
 
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")  # the embedded example, beside this file
@@ -584,9 +582,7 @@ def generate(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
     ).logits[copies, -1]  # the last position's alone: (B, V)
     cache.reorder_cache(copies)  # a group's prompt encoded once, its keys and values repeated for its rows: (B, ...)
     next_position = position_ids_from(prompt_mask)[:, -1:] + 1  # (B, 1)
-    if sampling.kernel_decode:
-        # --decode auto on one GPU: rlhf_kernels runs this loop's steps over buffers of fixed shape, each step one CUDA
-        # graph, drawing with sample_token; the same draws give the same tokens.
+    if sampling.kernel_decode:  # --decode auto on one GPU: rlhf_kernels runs these steps as CUDA graphs, same tokens
         return static_decode(policy, cache, logits, prompt_mask, next_position, uniforms, sampling, sample_token)
     attention_mask = prompt_mask
     done = torch.zeros_like(prompt_ids[:, 0], dtype=torch.bool)  # (B,)
