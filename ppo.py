@@ -925,7 +925,7 @@ def load_task(args, device):
         )
         tokenizer.pad_token = tokenizer.eos_token
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)  # the chat template tried first
-    # --decode auto: CUDA graphs on one GPU; torchrun's FSDP2 hooks cannot be captured, the CPU gains little from them
+    # --decode auto: CUDA graphs on one GPU only; FSDP2's hooks cannot be captured, a CPU's static cache gains little
     one_gpu = device.type == "cuda" and not dist.is_initialized()
     kernel_decode = args.decode == "auto" and one_gpu and static_decode is not None
     sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, kernel_decode)
