@@ -161,11 +161,12 @@ def test_a_run_saved_with_decode_auto_goes_on_with_the_plain_loop(tmp_path):
     checkpoint = tmp_path / "full" / "checkpoint-2"
     rows, printed = run_script("ppo.py", tmp_path / "resumed", *run, "--decode=plain", f"--resume={checkpoint}")
     assert "other values of" not in printed
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in full_rows] == [1, 2, 3]
     timing = ("time/", "memory/")
-    assert [r["iteration"] for r in rows][-1:] == [3]
-    assert {k: v for k, v in rows[-1].items() if not k.startswith(timing)} == {
-        k: v for k, v in full_rows[-1].items() if not k.startswith(timing)
-    }
+    for got, expected in zip(rows, full_rows):  # the checkpoint's rows, then iteration 3 run again
+        assert {k: v for k, v in got.items() if not k.startswith(timing)} == {
+            k: v for k, v in expected.items() if not k.startswith(timing)
+        }
     resumed = load_file(tmp_path / "resumed" / "model.safetensors")
     for name, weight in load_file(tmp_path / "full" / "model.safetensors").items():
         assert torch.equal(resumed[name], weight), name
