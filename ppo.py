@@ -75,10 +75,14 @@ from transformers import (
     AutoTokenizer,
     GenerationConfig,
 )
-from transformers.cache_utils import DynamicCache, StaticCache
+from transformers.cache_utils import DynamicCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging as hf_logging
 
+try:  # generate's decode steps on a static cache, each one CUDA graph (rlhf_kernels/): one launch a step on one GPU
+    from rlhf_kernels import static_decode
+except ImportError:  # this file copied alone: generate decodes with its own plain loop
+    static_decode = None
 try:  # the fused log-softmax-gather of this file's repository (rlhf_kernels/): no float32 copy of the logits
     from rlhf_kernels import token_logprobs
 except ImportError:  # this file copied alone: the same log-probs from plain torch (start_processes says so)
@@ -179,8 +183,8 @@ class Args:
     """most new tokens per response"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training and KL use the same temperature"""
-    decode: Literal["auto", "dynamic", "static", "cuda_graph"] = "auto"
-    """the KV cache grown a token a step, of fixed shape, or that with CUDA graphs (auto: on one GPU; else dynamic)"""
+    decode: Literal["auto", "plain"] = "auto"
+    """auto: on one GPU, rlhf_kernels' decode step, each one CUDA graph; plain (and elsewhere): generate's own loop"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     mask_truncated: bool = False
@@ -429,10 +433,8 @@ def generate(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
     ).logits[copies, -1]  # the last position's alone: (B, V)
     cache.reorder_cache(copies)  # a group's prompt encoded once, its keys and values repeated for its rows: (B, ...)
     next_position = position_ids_from(prompt_mask)[:, -1:] + 1  # (B, 1)
-    if sampling.decode != "dynamic":
-        # On a GPU --decode auto is cuda_graph: StaticDecoder, below the banner, runs this loop's steps over buffers
-        # of fixed shape, each step one CUDA graph; the same draws give the same tokens.
-        return static_decode(policy, cache, logits, prompt_mask, sampling, uniforms)
+    if sampling.kernel_decode:  # --decode auto on one GPU: rlhf_kernels runs these steps as CUDA graphs, same tokens
+        return static_decode(policy, cache, logits, prompt_mask, next_position, uniforms, sampling, sample_token)
     attention_mask = prompt_mask
     done = torch.zeros_like(prompt_ids[:, 0], dtype=torch.bool)  # (B,)
     tokens = []
@@ -761,6 +763,8 @@ def start_processes(args):
         torch.cuda.set_device(device)
     if rank == 0 and not token_logprobs.__module__.startswith("rlhf_kernels"):
         print("rlhf_kernels (the fused log-prob kernel) was not found: log-probs come from the plain torch path")
+    if rank == 0 and static_decode is None and torch.cuda.is_available():
+        print("rlhf_kernels (the CUDA-graph decode step) was not found: generate decodes with its plain loop")
     return rank, device
 
 
@@ -779,13 +783,13 @@ def collective_timeout(args):
 @dataclass
 class Sampling:
     """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
-    that fills a row after its end, and the decode loop (--decode)."""
+    that fills a row after its end, and whether rlhf_kernels' static_decode takes generate's decode steps (--decode)."""
 
     max_new_tokens: int
     temperature: float
     stop_ids: torch.Tensor
     pad_token_id: int
-    decode: str = "dynamic"
+    kernel_decode: bool = False
 
 
 def load_task(args, device):
@@ -800,7 +804,10 @@ def load_task(args, device):
         )
         tokenizer.pad_token = tokenizer.eos_token
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)  # the chat template tried first
-    sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, args.decode)
+    # --decode auto: CUDA graphs on one GPU only; FSDP2's hooks cannot be captured, a CPU's static cache gains little
+    one_gpu = device.type == "cuda" and not dist.is_initialized()
+    kernel_decode = args.decode == "auto" and one_gpu and static_decode is not None
+    sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, kernel_decode)
     prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
     eval_path = held_out_dataset(args)
     held_out = ([], [])
@@ -1084,124 +1091,6 @@ def head_outputs(model, input_ids, attention_mask):
     model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask))
     hook.remove()
     return kept[0].squeeze(-1).float()  # (B, L)
-
-
-# ---- static cache and CUDA graphs
-STATIC_DECODERS = {}  # (policy, batch, sampling settings) -> StaticDecoder, kept from call to call
-
-
-def static_decode(policy, cache, logits, prompt_mask, sampling, uniforms):
-    """generate's decode steps from its prefill on buffers of fixed shape: a StaticDecoder per batch size, grown."""
-    B, P = prompt_mask.shape
-    T = sampling.max_new_tokens
-    graphs = sampling.decode == "cuda_graph" and logits.is_cuda
-    key = (policy, B, T, sampling.pad_token_id, torch.as_tensor(sampling.stop_ids).numel(), graphs)
-    if key not in STATIC_DECODERS or STATIC_DECODERS[key].width < P + T:
-        STATIC_DECODERS.pop(key, None)  # the narrower one's memory goes before the wider one's comes
-        width = -(-(P + T) // 64) * 64
-        STATIC_DECODERS[key] = StaticDecoder(policy, logits, width, sampling, graphs)
-    return STATIC_DECODERS[key].run(policy, cache, logits, prompt_mask, uniforms, sampling.temperature)
-
-
-class StaticDecoder:
-    """generate's decode steps on buffers allocated once, counters on the device: on CUDA a step is one CUDA graph."""
-
-    def __init__(self, policy, logits, width, sampling, graphs):
-        B = logits.shape[0]
-        device = logits.device
-        max_new_tokens = sampling.max_new_tokens
-        self.width = width
-        self.cache = StaticCache(config=policy.config, max_cache_len=width)
-        self.pad_token_id = sampling.pad_token_id
-        self.capture = graphs  # whether to capture each step as a CUDA graph
-        self.graphs = {}  # (temperature, greedy) -> the captured step, or None where the capture failed
-        self.logits = torch.zeros_like(logits)  # (B, V) the next token is drawn from
-        self.stop_ids = torch.as_tensor(sampling.stop_ids, device=device).view(-1).clone()  # (S,), from one id too
-        self.uniforms = torch.zeros(B, max_new_tokens, device=device)  # (B, T)
-        long = dict(dtype=torch.long, device=device)
-        self.attention_mask = torch.zeros(B, width, **long)  # (B, W) the columns in use
-        self.position = torch.zeros(B, 1, **long)  # (B, 1) of the token fed next
-        self.step = torch.zeros(1, **long)  # t, the token drawn next
-        self.column = torch.zeros(1, **long)  # P + t, its column
-        self.done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-        self.tokens = torch.zeros(B, max_new_tokens, dtype=torch.long, device=device)  # (B, T)
-        self.logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float32, device=device)  # (B, T)
-        self.masks = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # (B, T)
-
-    def run(self, policy, cache, logits, prompt_mask, uniforms, temperature):
-        """The steps from generate's prefill on, for prompts (B, P); returns what generate returns."""
-        P = prompt_mask.shape[1]
-        self.cache.reset()  # in place: the captured steps read these very tensors
-        for i, layer in enumerate(cache.layers):  # the prompt's keys and values fill the first P columns
-            self.cache.update(layer.keys, layer.values, i)
-        self.logits.copy_(logits)
-        if uniforms is not None:
-            self.uniforms.copy_(uniforms)
-        self.attention_mask.zero_()[:, :P] = prompt_mask
-        self.position.copy_(position_ids_from(prompt_mask)[:, -1:] + 1)
-        self.step.zero_()
-        self.column.fill_(P)
-        self.done.zero_()
-        every = 8 if logits.is_cuda else 1  # the stop test is a host sync: on CUDA every 8 steps (pads fed meanwhile)
-        for step in range(self.tokens.shape[1]):
-            self.advance(policy, (temperature, uniforms is None))
-            if (step + 1) % every == 0 and self.done.all():
-                break
-        T = int(self.masks[:, : step + 1].sum(1).max())  # the dynamic loop stops after the last live row's stop
-        hold_full_parameters(policy, hold=False)
-        return self.tokens[:, :T].clone(), self.logprobs[:, :T].clone(), self.masks[:, :T].long()
-
-    def advance(self, policy, mode):
-        """One step of mode (temperature, greedy): replayed where it was captured, else run op by op (on CUDA,
-        captured after its first run)."""
-        if self.graphs.get(mode) is not None:
-            self.graphs[mode].replay()
-            return
-        if not self.capture or mode in self.graphs:  # no capture here, or it failed
-            self.step_once(policy, *mode)
-            return
-        # one step op by op on the capture's stream (Triton compiles, cuBLAS sets up), then the capture: it runs nothing
-        self.graphs[mode] = None  # until the capture succeeds
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.step_once(policy, *mode)
-        found = torch.cuda.current_stream()
-        found.wait_stream(stream)
-        try:
-            with torch.cuda.graph(graph, stream=stream):
-                self.step_once(policy, *mode)
-            self.graphs[mode] = graph
-        except RuntimeError as e:  # a layer that reads a value on the host (a routed MoE's expert list, say)
-            warnings.warn(
-                f"the decode step could not be captured as a CUDA graph ({str(e).splitlines()[0]}); it runs "
-                "op by op, as with --decode static.",
-                stacklevel=2,
-            )
-        finally:  # a failed capture leaves its stream the current one (torch.cuda.graph's exit stops at the error)
-            torch.cuda.set_stream(found)
-
-    def step_once(self, policy, temperature, greedy):
-        """Draw every row's token t, record it, and feed it to the policy: the body of generate's loop."""
-        uniforms = None if greedy else self.uniforms.index_select(1, self.step)[:, 0]  # (B,)
-        token, logprob = sample_token(self.logits, uniforms, temperature)
-        fed = torch.where(self.done, self.pad_token_id, token)  # (B,) pad tokens after a row's stop
-        self.masks.index_copy_(1, self.step, ~self.done[:, None])
-        self.tokens.index_copy_(1, self.step, fed[:, None])
-        self.logprobs.index_copy_(1, self.step, torch.where(self.done, 0.0, logprob)[:, None])
-        self.done |= (token[:, None] == self.stop_ids).any(-1)  # isin, without the sort a capture may not hold
-        self.attention_mask.index_fill_(1, self.column, 1)
-        out = policy(
-            input_ids=fed[:, None],
-            attention_mask=self.attention_mask,
-            position_ids=self.position,
-            cache=self.cache,
-            use_cache=True,
-        )
-        self.logits.copy_(out.logits[:, -1])
-        for counter in (self.position, self.step, self.column):
-            counter.add_(1)
 
 
 # ---- data
@@ -1994,14 +1883,6 @@ def check_common_args(args, responses_per_iteration):
         f"must each be finite and within +-{most:.3g}",
         lambda v: all(abs(w) <= most for w in v),
     )
-    # auto: CUDA graphs on one GPU; elsewhere the static cache, held through training, gains little (bench/generate.md)
-    if args.decode == "auto":
-        args.decode = "cuda_graph" if torch.cuda.is_available() and not dist.is_initialized() else "dynamic"
-    if args.decode == "cuda_graph" and (not torch.cuda.is_available() or dist.is_initialized()):
-        raise SystemExit(
-            "--decode cuda_graph needs a GPU and one process (FSDP2's hooks under torchrun cannot be "
-            "captured in a CUDA graph); pass --decode static."
-        )
     if args.mixed_precision and args.model_dtype != "float32":
         raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
     config = check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
@@ -2087,6 +1968,7 @@ RESUMABLE = (
     "wandb_project",
     "exp_name",
     "log_samples_every",
+    "decode",
 )
 USUAL_CAUSES = (
     "the usual causes are a learning rate too high (lower it), rewards of a large scale (normalise them), "

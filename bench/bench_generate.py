@@ -1,14 +1,15 @@
-"""Sampling throughput: ppo.py's `generate` (its three --decode loops) against transformers' `model.generate` and a
-loop without a KV cache.
+"""Sampling throughput: the loops ppo.py's `generate` runs (its plain loop, and rlhf_kernels' static_decode that it
+hands over to on one GPU) against transformers' `model.generate` and a loop without a KV cache.
 
 Methods (the same distribution in each: softmax(logits / T); left-padded prompts):
-  scripts      `generate` of ppo.py (shared with grpo.py and rloo.py), --decode dynamic (the old loop, the CPU's
-               default): a KV cache grown by a token a step, sampling by inverse CDF from uniforms drawn beforehand (one
-               row per sequence), and the log-prob of each sampled token (token_logprobs), which hf-generate and
+  scripts      `generate` of ppo.py (shared with grpo.py and rloo.py) with its plain loop (--decode plain, and auto
+               off one GPU): a KV cache grown by a token a step, sampling by inverse CDF from uniforms drawn beforehand
+               (one row per sequence), and the log-prob of each sampled token (token_logprobs), which hf-generate and
                no-cache do not compute.
-  static       `generate`, --decode static: the same steps over buffers of fixed shape (StaticDecoder), run op by op.
-  cuda-graph   `generate`, --decode cuda_graph: static, each decode step replayed as a CUDA graph (CUDA only; the
-               default on one GPU).
+  static       `generate` handing its decode steps to rlhf_kernels' static_decode, the same steps over buffers of
+               fixed shape (StaticDecoder), run op by op (never captured, on any device).
+  cuda-graph   `generate` handing over to static_decode as --decode auto does on one GPU: static, each decode step
+               replayed as a CUDA graph (CUDA only).
   compiled     static, with the decode step compiled by torch.compile (mode "reduce-overhead" on CUDA, which captures
                CUDA graphs itself; inductor's default on the CPU). Not run by default: each shape compiles for tens of
                seconds (its first call, the warm-up, is left out of the timing and printed under the table).
@@ -24,7 +25,7 @@ Tokens/s counts generated positions: batch x new tokens / seconds (the prefill i
 loops test the stop every 8 steps on CUDA, so they may run up to 7 steps past the last stop; with no stop token
 they run exactly N, like the others.
 
-"same tokens" checks each --decode loop (and compiled) against scripts in the cell, from the same uniforms and
+"same tokens" checks static, cuda-graph and compiled against scripts in the cell, from the same uniforms and
 greedy (T -> 0), with the log-probs' largest difference: the static cache's attention also reads its unused columns
 (weight 0), which reorders the sums, so in fp32 the log-probs differ by ~1e-5 and a token can flip where two are that
 close (a near tie, or a uniform that close to a boundary of the cumulative distribution): 256 x 64 on the CPU had
@@ -47,13 +48,11 @@ the buffers and the CUDA graph's memory pool), the growth of torch.cuda.memory_r
     python bench/bench_generate.py --quick --device cpu                # smoke test, seconds
     python bench/bench_generate.py --models tiny --batches 64,256 --new-tokens 24,64 --repeats 3 --out /tmp/gen_cpu.md
     python bench/bench_generate.py --dtype bfloat16 --out bench/generate.md   # CUDA: both models, the full grid
-    python bench/bench_generate.py --models tiny --batches 64 --new-tokens 24 --methods scripts --breakdown
     python bench/bench_generate.py --device cpu --models tiny --batches 64,256 --new-tokens 24,64 \
         --methods scripts,static,compiled,hf-generate --repeats 5        # the CPU's choice of loop (bench/generate.md)
 """
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import functools
@@ -71,11 +70,10 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
-from transformers.cache_utils import DynamicCache  # noqa: E402
 
 import ppo  # noqa: E402
 from ppo import generate, position_ids_from  # noqa: E402
-from rlhf_kernels import token_logprobs  # noqa: E402
+from rlhf_kernels import decode  # noqa: E402
 
 NEVER = -1  # a stop token id no sampled token can equal
 QWEN05B_SHAPE = dict(
@@ -123,8 +121,8 @@ def make_prompts(batch, prompt_len, vocab_size, pad, device, seed=0):
 # temperature and pad_token_id; its stop_ids are NEVER), and returns (tokens, log-probs or None). The scripts' loops
 # also take the uniforms to draw from.
 def run_scripts(model, ids, mask, sampling, greedy=False, uniforms=None):
-    """`generate` with --decode sampling.decode: its (tokens, log-probs); greedy, else from the uniforms given or
-    fresh."""
+    """`generate` with the loop sampling.kernel_decode says: its (tokens, log-probs); greedy, else from the uniforms
+    given or fresh."""
     if greedy:
         uniforms = None
     elif uniforms is None:
@@ -132,36 +130,49 @@ def run_scripts(model, ids, mask, sampling, greedy=False, uniforms=None):
     return generate(model, ids, mask, sampling, uniforms)[:2]
 
 
-def run_static(model, ids, mask, sampling, greedy=False, uniforms=None):
-    return run_scripts(model, ids, mask, dataclasses.replace(sampling, decode="static"), greedy, uniforms)
-
-
 def run_cuda_graph(model, ids, mask, sampling, greedy=False, uniforms=None):
-    return run_scripts(model, ids, mask, dataclasses.replace(sampling, decode="cuda_graph"), greedy, uniforms)
+    """`generate` handing its decode steps to rlhf_kernels' static_decode, as --decode auto does on one GPU."""
+    return run_scripts(model, ids, mask, dataclasses.replace(sampling, kernel_decode=True), greedy, uniforms)
 
 
-class CompiledDecoder(ppo.StaticDecoder):
+class EagerDecoder(decode.StaticDecoder):
+    """rlhf_kernels' StaticDecoder never capturing: every step op by op, the kernels a captured step replays."""
+
+    def __init__(self, policy, logits, width, sampling, sample_token, capture):
+        super().__init__(policy, logits, width, sampling, sample_token, capture=False)
+
+
+class CompiledDecoder(EagerDecoder):
     """A StaticDecoder whose decode step is compiled by torch.compile, once per shape (at its first step). Its buffers
     are marked as static addresses, as transformers marks the StaticCache's, so that reduce-overhead may capture."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         for buffer in vars(self).values():
             if isinstance(buffer, torch.Tensor):
                 torch._dynamo.mark_static_address(buffer)
         self.step_once = torch.compile(self.step_once, mode="reduce-overhead" if self.logits.is_cuda else None)
 
 
-COMPILED_DECODERS = {}  # the compiled method's own decoders (the static method keeps ppo.STATIC_DECODERS)
+# each method's own decoders (cuda-graph keeps rlhf_kernels' decode.DECODERS)
+DECODERS = {EagerDecoder: {}, CompiledDecoder: {}}
+
+
+def run_with_decoder(decoder_class, model, ids, mask, sampling, greedy, uniforms):
+    """generate handing over to static_decode, with rlhf_kernels' decoder class and table swapped for the call."""
+    with (
+        mock.patch.object(decode, "DECODERS", DECODERS[decoder_class]),
+        mock.patch.object(decode, "StaticDecoder", decoder_class),
+    ):
+        return run_cuda_graph(model, ids, mask, sampling, greedy, uniforms)
+
+
+def run_static(model, ids, mask, sampling, greedy=False, uniforms=None):
+    return run_with_decoder(EagerDecoder, model, ids, mask, sampling, greedy, uniforms)
 
 
 def run_compiled(model, ids, mask, sampling, greedy=False, uniforms=None):
-    """The static loop over CompiledDecoders: ppo's decoder class and table are swapped for the call."""
-    with (
-        mock.patch.object(ppo, "STATIC_DECODERS", COMPILED_DECODERS),
-        mock.patch.object(ppo, "StaticDecoder", CompiledDecoder),
-    ):
-        return run_static(model, ids, mask, sampling, greedy, uniforms)
+    return run_with_decoder(CompiledDecoder, model, ids, mask, sampling, greedy, uniforms)
 
 
 def run_hf(model, ids, mask, sampling, greedy=False):
@@ -231,78 +242,6 @@ def timed(fn, device):
     return time.perf_counter() - start
 
 
-class PartTimer:
-    """Adds the synchronised wall time of each `with timer("part"):` block to timer.seconds["part"]."""
-
-    def __init__(self, device):
-        self.device = device
-        self.seconds = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, part):
-        sync(self.device)
-        start = time.perf_counter()
-        yield
-        sync(self.device)
-        self.seconds[part] += time.perf_counter() - start
-
-
-@torch.no_grad()
-def generate_timed(timer, policy, prompt_ids, prompt_mask, sampling, uniforms):
-    """ppo.py's `generate` (sampling branch; no FSDP) statement for statement, each part inside a timer."""
-    max_new_tokens = sampling.max_new_tokens
-    with timer("prefill"):
-        B = prompt_ids.shape[0]
-        cache = DynamicCache()
-        attention_mask = prompt_mask
-        positions = position_ids_from(prompt_mask)
-        logits = policy(
-            input_ids=prompt_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-        next_position = positions[:, -1:] + 1
-        done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-        tokens = []
-        logprobs = []
-        masks = []
-    for step in range(max_new_tokens):
-        with timer("sampling (softmax + inverse CDF)"):
-            probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-            cdf = probs.cumsum(-1)
-            token = torch.searchsorted(cdf, uniforms[:, step, None] * cdf[:, -1:], right=True)[:, 0].clamp(
-                max=probs.shape[1] - 1
-            )
-        with timer("log-prob (token_logprobs)"):
-            logprob = token_logprobs(logits, token, sampling.temperature)
-        with timer("bookkeeping (where, appends, done)"):
-            masks.append(~done)
-            tokens.append(torch.where(done, sampling.pad_token_id, token))
-            logprobs.append(torch.where(done, 0.0, logprob))
-            done = done | (token == sampling.stop_ids)
-            stop = bool(done.all()) or step == max_new_tokens - 1
-        if stop:
-            break
-        with timer("bookkeeping (mask cat)"):
-            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        with timer("model forward"):
-            out = policy(
-                input_ids=tokens[-1][:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position,
-                cache=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]
-            next_position = next_position + 1
-    with timer("bookkeeping (stack)"):
-        result = torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
-    return result
-
-
 def copy_bandwidth(device):
     """Bytes read + written per second by a 1 GiB device-to-device copy (best of 10)."""
     x = torch.empty(2**28, dtype=torch.float32, device=device)
@@ -340,7 +279,6 @@ def parse_args(argv=None):
         help=f"some of {','.join(METHODS)} (cuda-graph: CUDA only, left out elsewhere)",
     )
     p.add_argument("--skip-no-cache-above", type=int, default=128, help="skip no-cache when new tokens > this")
-    p.add_argument("--breakdown", action="store_true", help="also time the parts of the scripts' loop, first cell")
     p.add_argument("--quick", action="store_true", help="smoke test: tiny model, batch 4, 8 new tokens, 1 repeat")
     p.add_argument("--out", help="also write the tables (markdown) to this file")
     a = p.parse_args(argv)
@@ -394,7 +332,6 @@ def main(argv=None):
             with open(a.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
 
-    breakdown = None
     notes = []
     for model_name in a.models:
         model, pad = load_model(model_name, dtype, device)
@@ -441,20 +378,16 @@ def main(argv=None):
                     else:
                         row += "n/a | n/a |"
                     emit(row)
-                if a.breakdown and breakdown is None:
-                    breakdown = part_table(cell, a.repeats, device, median.get("scripts"))
                 forget_decoders(cuda)
         model = None  # free it before the next one loads
         if cuda:
             torch.cuda.empty_cache()
     if notes:
         emit("", *notes)
-    if breakdown:
-        emit("", *breakdown)
 
 
 def agreement(cell, methods, device):
-    """For each --decode loop among methods: whether its tokens equal those of scripts (the dynamic loop) from the same
+    """For each decode loop among methods: whether its tokens equal those of scripts (the plain loop) from the same
     uniforms and greedily ("yes"/"no" for each), with the largest |log-prob difference| where they agree; and for
     cuda-graph and compiled, whether they equal the static loop's run op by op ("the eager path": the same kernels on
     the same shapes, so the same tokens and log-probs to the bit, where the dynamic loop's attention sums over fewer
@@ -497,38 +430,13 @@ def agreement(cell, methods, device):
 
 def forget_decoders(cuda):
     """Drop the static loops' decoders (their caches, buffers and graphs) and compiled code before the next cell."""
-    ppo.STATIC_DECODERS.clear()
-    if COMPILED_DECODERS:
-        COMPILED_DECODERS.clear()
+    decode.DECODERS.clear()
+    DECODERS[EagerDecoder].clear()
+    if DECODERS[CompiledDecoder]:
+        DECODERS[CompiledDecoder].clear()
         torch._dynamo.reset()
     if cuda:
         torch.cuda.empty_cache()
-
-
-def part_table(cell, repeats, device, untimed):
-    """Where the scripts' loop spends its time in one cell: ms per decode step of each part (over --repeats)."""
-    n = cell.sampling.max_new_tokens
-    timer = PartTimer(device)
-    uniforms = torch.rand(cell.ids.shape[0], n, device=cell.ids.device)
-    generate_timed(timer, cell.model, cell.ids, cell.mask, cell.sampling, uniforms)  # warm-up
-    timer.seconds.clear()
-    for _ in range(repeats):
-        generate_timed(timer, cell.model, cell.ids, cell.mask, cell.sampling, uniforms)
-    total = sum(timer.seconds.values())
-    rows = [
-        f"Scripts' loop, {cell.model_name}, batch {cell.ids.shape[0]}, {n} new tokens: ms per generated token "
-        f"(prefill: per call), synchronised timers around each part",
-        "",
-        "| part | ms per token | share |",
-        "|---|---:|---:|",
-    ]
-    for part, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1]):
-        per = 1e3 * s / repeats / (1 if part == "prefill" else n)
-        rows.append(f"| {part} | {per:.3f} | {100 * s / total:.0f}% |")
-    rows.append(f"| total per call (timed copy) | {1e3 * total / repeats:.1f} ms | |")
-    if untimed is not None:
-        rows.append(f"| ppo.generate per call (median, untimed) | {1e3 * untimed:.1f} ms | |")
-    return rows
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ starts and ends, flushed, so a check killed at any point leaves every finished r
 
   kernels      the compiled Triton kernel against its fp64 reference (tests/test_kernels.py -k cuda)
   generation   bench_generate.py on the tiny model and the Qwen2.5-0.5B shape (random weights, bf16), 64 and 256
-               prompts x 128 new tokens: the old loop (--decode dynamic), the new one (cuda_graph) and model.generate,
-               alternating; the same tokens from the same uniforms and greedily; the memory the new loop keeps
+               prompts x 128 new tokens: the old loop (--decode plain), the new one (rlhf_kernels' CUDA-graph step,
+               --decode auto on one GPU) and model.generate, alternating; the same tokens from the same uniforms and
+               greedily; the memory the new loop keeps
   recipe-mem   the new loop alone at the GRPO GSM8K recipe's shape (320 x 1,024): its time and memory
   ppo          two PPO iterations at the 0.5B shape (random weights, bf16, 64 prompts x 128 tokens), old and new loop
   grpo-gsm8k   GRPO at the GSM8K recipe's shapes (0.5B shape, --mixed_precision, LoRA r 32, 64 prompts x 5, 1,024 new
@@ -18,8 +19,9 @@ starts and ends, flushed, so a check killed at any point leaves every finished r
   prefill      bench/real_tokens.py's prefill part at the same lengths (8 prompts x 5, 128 new tokens, the CUDA-graph
                loop): generate with every row's prompt encoded against each group's encoded once
   torchrun     (a call of its own: --rows=torchrun) each script under torchrun --nproc_per_node=1 (NCCL, FSDP2,
-               --decode static) with --mixed_precision for three iterations saving a checkpoint each (DCP on CUDA),
-               then resumed from the second: the resumed third iteration against the uninterrupted one
+               --decode auto: the plain loop under torchrun) with --mixed_precision for three iterations saving a
+               checkpoint each (DCP on CUDA), then resumed from the second: the resumed third iteration against the
+               uninterrupted one
 and the targets of the issue that asked for them (new loop >= 10x / 5x the old one's tokens per second at the 0.5B
 shape, 256 / 64 x 128; >= 10x on the tiny model; the same tokens; a PPO iteration <= 0.6x of the old one's time).
 
@@ -32,10 +34,10 @@ image are listed, with the command that fetches them, in bench/gpu_check_wheels.
     python bench/gpu_check.py --device cpu --out /tmp/gpu_check_cpu.md   # the rows on tiny shapes, a few minutes
 
 With --device cpu every row runs on tiny shapes (the 0.5B shape becomes memory_accounting.py's small one, 2 layers
-of width 64; the loops compared are dynamic and static, as CUDA graphs need CUDA; torchrun uses gloo): it checks that
-each step of the script runs, not any number. tests/test_gpu_check.py runs parts of it, a row cut by its cap, no
-`git`, and a check killed in the middle. Exit status: 1 when a row failed, 2 when the check was stopped (SIGTERM,
-as gpu_check.sh's `timeout` sends), else 0.
+of width 64; --decode auto is the plain loop there, as CUDA graphs need CUDA, and bench_generate.py runs
+rlhf_kernels' step op by op; torchrun uses gloo): it checks that each step of the script runs, not any number.
+tests/test_gpu_check.py runs parts of it, a row cut by its cap, no `git`, and a check killed in the middle. Exit
+status: 1 when a row failed, 2 when the check was stopped (SIGTERM, as gpu_check.sh's `timeout` sends), else 0.
 """
 
 import argparse
@@ -84,8 +86,8 @@ def sizes(device):
                 "--repeats=1",
             ],
             shape=SHAPE,
-            old="dynamic",
-            new="cuda_graph",
+            old="plain",
+            new="auto",
             prompts=64,
             tokens=128,
             recipe_tokens=1024,
@@ -93,7 +95,7 @@ def sizes(device):
             generations=5,
             micro=8,
             real_tokens=["--dtype=bfloat16", "--gsm8k-rows=40", "--repeats=2"],
-            prefill=["--dtype=bfloat16", "--gsm8k-rows=40", "--repeats=2", "--new-tokens=128", "--decode=cuda_graph"],
+            prefill=["--dtype=bfloat16", "--gsm8k-rows=40", "--repeats=2", "--new-tokens=128", "--decode=static"],
         )
     return dict(
         kernels=["-k", "check_range"],
@@ -114,8 +116,8 @@ def sizes(device):
             "--repeats=1",
         ],
         shape=SMALL,
-        old="dynamic",
-        new="static",
+        old="plain",
+        new="auto",
         prompts=4,
         tokens=8,
         recipe_tokens=16,
@@ -328,7 +330,7 @@ def ppo_args(s, policy, rm, iterations=2):
         "--eval_every=0",
         "--save_every=0",
     ]
-    if s["new"] != "cuda_graph":
+    if s["shape"] is SMALL:
         args += ["--minibatch_size=4", "--micro_batch_size=4", "--num_epochs=1"]
     return args
 
@@ -372,8 +374,8 @@ def grpo_args(s, policy, iterations=2):
 
 
 def torchrun_args(script):
-    """Three iterations of the embedded task, a checkpoint each, evaluation at the end; the static decode loop (auto
-    keeps the dynamic one under torchrun), so that its cache of fixed shape runs under FSDP2 on a GPU too."""
+    """Three iterations of the embedded task, a checkpoint each, evaluation at the end; --decode auto, which is the
+    plain loop under torchrun (FSDP2's hooks cannot be captured in a CUDA graph)."""
     group = ["--rollout_batch_size=4", "--num_generations=4", "--minibatch_size=16", "--micro_batch_size=8"]
     sizes = ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=4"]
     return [
@@ -381,7 +383,7 @@ def torchrun_args(script):
         "--total_episodes=48",
         "--response_length=16",
         "--mixed_precision",
-        "--decode=static",
+        "--decode=auto",
         "--save_every=1",
         "--eval_every=3",
         "--eval_batch_size=32",

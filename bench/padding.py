@@ -91,7 +91,7 @@ def rollout_lengths(script, policy_path, rollouts):
     args.world_size = 1
     device = torch.device("cpu")
     tokenizer, prompts, _, _, sampling = module.load_task(args, device)
-    sampling = dataclasses.replace(sampling, decode="dynamic")  # args.decode is "auto" here, unresolved
+    sampling = dataclasses.replace(sampling, kernel_decode=False)  # the plain loop, on any device
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).eval()

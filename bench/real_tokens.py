@@ -35,7 +35,7 @@ every row's prompt encoded (generate before the sharing: the grouping it finds r
 each group's prompt encoded once, its keys and values repeated, alternating. Timed: the prefill with the first token
 (max_new_tokens 1) and the whole generate, at the defaults' prompt lengths and group sizes (the embedded policy) and
 at the GSM8K-like shape (8 prompts x 5, responses up to the longest drawn or --new-tokens; the random Llama never
-stops early), with --decode's loop.
+stops early), with --decode's loop (plain: generate's own; static: rlhf_kernels' static_decode, CUDA graphs on CUDA).
 """
 
 import argparse
@@ -294,7 +294,7 @@ def prefill_part(a):
         ids, mask = ppo.left_pad([x for x in prompts for _ in range(G)], pad, a.device)
         uniforms = torch.rand(len(ids), T, generator=g).to(a.device)
         stop = torch.tensor([0], device=a.device)
-        sampling_of = {steps: ppo.Sampling(steps, 1.0, stop, pad, a.decode) for steps in (1, T)}
+        sampling_of = {steps: ppo.Sampling(steps, 1.0, stop, pad, a.decode == "static") for steps in (1, T)}
         times = {(side, steps): [] for side in ("every row", "once") for steps in (1, T)}
         warm = {}  # the tokens of a first call of each (CUDA graphs captured, kernels compiled)
         for side, steps in times:
@@ -421,7 +421,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--new-tokens", type=int, default=None, help="prefill: the GSM8K-like responses' length")
-    parser.add_argument("--decode", default="dynamic", choices=["dynamic", "static", "cuda_graph"], help="prefill")
+    parser.add_argument("--decode", default="plain", choices=["plain", "static"], help="prefill")
     parser.add_argument("--out", default=None)
     a = parser.parse_args(argv)
     torch.set_num_threads(a.threads)

@@ -1,5 +1,5 @@
 """Running an algorithm file the way a user does: a subprocess, offline, with transformers' own hub-kernel default;
-and the check that generate's static decode loop samples what its dynamic loop samples."""
+and the check that rlhf_kernels' static decode loop samples what generate's plain loop samples."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import sys
 import torch
 
 import ppo
+from rlhf_kernels import decode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,13 +78,14 @@ def readme_files(folder, documents=None):
 
 
 def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_size):
-    """generate with --decode static (StaticDecoder's buffers of fixed shape) gives the dynamic loop's tokens and
-    response masks, and its log-probs within 1e-6, on left-padded prompts of different lengths, sampled at T = 0.7
-    and 1 (uniforms of 0 draw token 0, the EOS, so that rows stop at different steps) and greedily; the second batch
-    (another prompt width, the same cache width) reuses the first's buffers, the third (prompts of 60 tokens) needs
-    a wider cache, which replaces the first (one decoder per batch size). Run the policy in float64: in float32
-    the static cache's attention, which also reads its unused columns (each with a weight of exactly 0), sums in
-    another order, and the log-probs differ by rounding, about 1e-5 (as a teacher-forced pass differs from them)."""
+    """generate with its decode steps handed to rlhf_kernels' static_decode (buffers of fixed shape; no CUDA graph on
+    the CPU) gives the plain loop's tokens and response masks, and its log-probs within 1e-6, on left-padded prompts
+    of different lengths, sampled at T = 0.7 and 1 (uniforms of 0 draw token 0, the EOS, so that rows stop at
+    different steps) and greedily; the second batch (another prompt width, the same cache width) reuses the first's
+    buffers, the third (prompts of 60 tokens) needs a wider cache, which replaces the first (one decoder per batch
+    size). Run the policy in float64: in float32 the static cache's attention, which also reads its unused columns
+    (each with a weight of exactly 0), sums in another order, and the log-probs differ by rounding, about 1e-5 (as a
+    teacher-forced pass differs from them)."""
     g = torch.Generator().manual_seed(1)
     for lengths in ([1, 5, 3, 8, 2, 6], [4, 2, 9, 1, 3, 7], [60, 3, 5, 1, 2, 7]):
         prompts = [torch.randint(2, vocab_size, (n,), generator=g).tolist() for n in lengths]
@@ -94,7 +96,7 @@ def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_s
         uniforms[3, 6] = 0.0
         for temperature in (0.7, 1.0):
             dynamic = ppo.Sampling(10, temperature, stop_ids, pad_token_id)
-            static = ppo.Sampling(10, temperature, stop_ids, pad_token_id, "static")
+            static = ppo.Sampling(10, temperature, stop_ids, pad_token_id, kernel_decode=True)
             for draws in (uniforms, None):
                 expected = ppo.generate(policy, prompt_ids, prompt_mask, dynamic, draws)
                 got = ppo.generate(policy, prompt_ids, prompt_mask, static, draws)
@@ -103,11 +105,11 @@ def assert_static_decode_matches_dynamic(policy, pad_token_id, stop_ids, vocab_s
                 torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=0)
                 if draws is not None:  # rows stop at different steps
                     assert len(set(expected[2].sum(1).tolist())) > 2
-        widths = [decoder.width for key, decoder in ppo.STATIC_DECODERS.items() if key[0] is policy]
+        widths = [decoder.width for key, decoder in decode.DECODERS.items() if key[0] is policy]
         assert widths == [64 if max(lengths) < 54 else 128]
 
 
-def assert_group_prompts_prefilled_once(policy, pad_token_id, stop_ids, vocab_size, atol, decode="dynamic"):
+def assert_group_prompts_prefilled_once(policy, pad_token_id, stop_ids, vocab_size, atol, kernel_decode=False):
     """grpo.py's and rloo.py's rollouts repeat each prompt for its group; generate encodes each run of equal rows once
     and repeats its keys and values. Against each row sampled alone (prefilled by itself, no padding: what generate
     did before the sharing), every row samples the same tokens, and their log-probs agree within atol. Groups of 3,
@@ -120,7 +122,7 @@ def assert_group_prompts_prefilled_once(policy, pad_token_id, stop_ids, vocab_si
     uniforms[0, 2] = 0.0
     uniforms[4, 5] = 0.0
     uniforms[6, 0] = 0.0
-    sampling = ppo.Sampling(10, 0.7, stop_ids, pad_token_id, decode)
+    sampling = ppo.Sampling(10, 0.7, stop_ids, pad_token_id, kernel_decode)
     batches = []
 
     def record_batch(module, args, kwargs):

@@ -54,12 +54,3 @@ def test_greedy_tokens_agree_across_methods(tiny):
     assert reference.shape == (6, 12)
     for name in ("static", "hf-generate", "no-cache"):
         assert torch.equal(_run(tiny, name, 1.0, greedy=True), reference), name
-
-
-def test_timed_copy_matches_generate(tiny):
-    model, pad, ids, mask = tiny
-    uniforms = torch.rand(6, 12, generator=torch.Generator().manual_seed(1))
-    sampling = bg.ppo.Sampling(12, 0.7, bg.NEVER, pad)
-    expected = bg.generate(model, ids, mask, sampling, uniforms)
-    got = bg.generate_timed(bg.PartTimer(torch.device("cpu")), model, ids, mask, sampling, uniforms)
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))

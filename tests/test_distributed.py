@@ -142,7 +142,7 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
         ("ppo.py", ["--lora_r=4", "--lora_alpha=8"]),
         ("ppo.py", ["--shared_backbone"]),
         ("grpo.py", ["--lora_r=4", "--lora_alpha=8"]),
-        ("rloo.py", ["--decode=static", "--lora_r=4", "--lora_alpha=8"]),
+        ("rloo.py", ["--decode=plain", "--lora_r=4", "--lora_alpha=8"]),
         (
             "grpo.py",
             [
@@ -158,7 +158,7 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
         "ppo-lora",
         "ppo-shared-backbone",
         "grpo-lora",
-        "rloo-static-decode-lora",
+        "rloo-plain-decode-lora",
         "grpo-gspo",
         "rloo-cispo-mask-truncated",
     ],
@@ -166,7 +166,7 @@ def test_each_process_holds_about_half_the_model_state(script, runs):
 def test_two_processes_compute_what_one_computes_with_other_options(script, flags, held_out, tmp_path):
     """The same agreement with adapters (peft's layers inside FSDP2's units, the reference as the policy with its
     adapters off, the merged save gathered from the shards), with the value head on the policy's sharded trunk, with
-    the static decode loop (its buffers of fixed shape, the policy held whole while it samples), and with GSPO's
+    --decode plain (what auto is under torchrun: the policy held whole while it samples), and with GSPO's
     ratio per response and CISPO's clipped weights (cut-off responses left out)."""
     one = tmp_path / "one"
     two = tmp_path / "two"

@@ -9,7 +9,7 @@ saved without a tokenizer (an error for Llama, an empty tokenizer of the model's
 family this checks that
 - the log-probs recorded while sampling with a KV cache equal one teacher-forced forward over the finished
   sequences (left-padded prompts of different lengths, temperature 0.7), so that PPO's ratio is 1 before any update;
-- --decode static (the cache of fixed shape that CUDA graphs replay) samples the tokens the dynamic cache samples,
+- rlhf_kernels' static_decode (the cache of fixed shape that CUDA graphs replay) samples the tokens the plain loop,
   with the same log-probs (float64), at T = 0.7 and 1 and greedily, stopping where it stops;
 - a group's rows (equal prompts, encoded once, the cache repeated) sample what each row samples alone, in float64;
 - the reward model's score at the last real token does not depend on the padding around the sequence;
@@ -174,9 +174,9 @@ def test_two_iterations(script, family, tmp_path):
     assert sum((saved_weights[k] - start_weights[k]).abs().sum().item() for k in start_weights) > 0  # it trained
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_a_groups_prompt_is_encoded_once(family, decode):
+@pytest.mark.parametrize("kernel_decode", [False, True])
+def test_a_groups_prompt_is_encoded_once(family, kernel_decode):
     """Each run of equal prompts prefilled once, its cache repeated: the tokens and float64 log-probs (within 1e-9)
-    of each row sampled alone, with either decode loop (see the helper)."""
+    of each row sampled alone, with the plain loop and rlhf_kernels' (see the helper)."""
     policy = AutoModelForCausalLM.from_pretrained(family[0], dtype=torch.float64, experts_implementation="eager")
-    assert_group_prompts_prefilled_once(policy.eval(), PAD, torch.tensor([EOS]), len(TOKENIZER), 1e-9, decode)
+    assert_group_prompts_prefilled_once(policy.eval(), PAD, torch.tensor([EOS]), len(TOKENIZER), 1e-9, kernel_decode)

@@ -1,6 +1,7 @@
 """The GPU-only paths, shown on the CPU: the keys cached in bf16 under --mixed_precision (autocast on the CPU as on
-a GPU), a failed CUDA-graph capture handing back the stream it found (torch.cuda made to fail the capture), and the
-collectives' timeout against --reward_timeout (NCCL's rule, shown on gloo)."""
+a GPU), a failed CUDA-graph capture handing back the stream it found (torch.cuda made to fail the capture), a run
+saved with --decode auto (CUDA graphs on one GPU) resumed with --decode plain, and the collectives' timeout against
+--reward_timeout (NCCL's rule, shown on gloo)."""
 
 import contextlib
 import datetime
@@ -11,11 +12,13 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, torchrun
+from helpers import ROOT, run_script, tiny_run, torchrun
+from safetensors.torch import load_file
 from test_real_use import hangs_on_rank_1
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 import ppo
+from rlhf_kernels import decode
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from memory_accounting import kv_cache_bytes  # noqa: E402
@@ -62,7 +65,7 @@ def prefill(policy, prompt_ids, prompt_mask):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_keys_are_cached_in_bf16_under_mixed_precision(family, tmp_path):
     """--mixed_precision in one process: float32 weights under bf16 autocast. The keys and values of the prefill's
-    cache and of the static decode loop's are bf16, and the static cache holds what bench/memory_accounting.py
+    cache and of rlhf_kernels' static decode loop's are bf16, and the static cache holds what bench/memory_accounting.py
     accounts (layers x 2 x KV heads x head size x 2 bytes per position); the float32 trunk's rotary cos and sin made
     the keys float32 before."""
     path = TINY_LLAMA if family == "llama" else tiny_qwen2(tmp_path / "qwen2")
@@ -74,11 +77,11 @@ def test_keys_are_cached_in_bf16_under_mixed_precision(family, tmp_path):
     assert [(layer.keys.dtype, layer.values.dtype) for layer in cache.layers] == [(torch.bfloat16,) * 2] * len(
         cache.layers
     )
-    sampling = ppo.Sampling(6, 1.0, torch.tensor([0]), 1, "static")
+    sampling = ppo.Sampling(6, 1.0, torch.tensor([0]), 1, kernel_decode=True)
     ppo.generate(
         policy, prompt_ids, prompt_mask, sampling, torch.rand(3, 6, generator=torch.Generator().manual_seed(0))
     )
-    decoder = next(d for key, d in ppo.STATIC_DECODERS.items() if key[0] is policy)
+    decoder = next(d for key, d in decode.DECODERS.items() if key[0] is policy)
     layers = decoder.cache.layers
     assert {layer.keys.dtype for layer in layers} | {layer.values.dtype for layer in layers} == {torch.bfloat16}
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
@@ -95,8 +98,9 @@ class FakeStream:
 
 def test_a_failed_capture_restores_the_stream_it_found(monkeypatch):
     """torch.cuda on the CPU, the capture made to fail as torch 2.13's torch.cuda.graph fails in capture_begin: its
-    stream made current on entry, the error raised before the exit that would restore it. The decoder warns, runs
-    every step op by op (the tokens of --decode static), and the stream current afterwards is the one it found."""
+    stream made current on entry, the error raised before the exit that would restore it. rlhf_kernels' decoder warns,
+    runs every step op by op (the tokens of its steps uncaptured), and the stream current afterwards is the one it
+    found."""
     current = [FakeStream("found")]
 
     def set_stream(stream):
@@ -125,7 +129,7 @@ def test_a_failed_capture_restores_the_stream_it_found(monkeypatch):
     policy = AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval()
     prompt_ids, prompt_mask = prompts()
     uniforms = torch.rand(3, 6, generator=torch.Generator().manual_seed(1))
-    sampling = ppo.Sampling(6, 1.0, torch.tensor([0]), 1, "static")
+    sampling = ppo.Sampling(6, 1.0, torch.tensor([0]), 1, kernel_decode=True)
     expected = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
     for name, value in [
         ("Stream", lambda: FakeStream("capture")),
@@ -138,13 +142,34 @@ def test_a_failed_capture_restores_the_stream_it_found(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, value)
     with torch.no_grad():
         cache, logits = prefill(policy, prompt_ids, prompt_mask)
-        decoder = ppo.StaticDecoder(policy, logits, 64, sampling, True)  # capture, as on a GPU
+        next_position = ppo.position_ids_from(prompt_mask)[:, -1:] + 1
+        decoder = decode.StaticDecoder(policy, logits, 64, sampling, ppo.sample_token, capture=True)  # as on a GPU
         with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
-            got = decoder.run(policy, cache, logits, prompt_mask, uniforms, 1.0)
+            got = decoder.run(policy, cache, logits, prompt_mask, next_position, uniforms, 1.0)
     assert current[0].name == "found"
     assert decoder.graphs == {(1.0, False): None}  # not tried again
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[2], expected[2])
+
+
+def test_a_run_saved_with_decode_auto_goes_on_with_the_plain_loop(tmp_path):
+    """A one-GPU run (--decode auto: CUDA graphs) goes on under torchrun or on a CPU, where only the plain loop runs:
+    its checkpoint after iteration 2, resumed with --decode plain, ends as the run never stopped, bitwise (on the CPU
+    auto is the plain loop too; what is shown is that --decode is an option a resume may change)."""
+    run = tiny_run("ppo.py", total_episodes=24, response_length=8, eval_every=0, save_every=1)  # three iterations
+    full_rows, _ = run_script("ppo.py", tmp_path / "full", *run, "--decode=auto")
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    rows, printed = run_script("ppo.py", tmp_path / "resumed", *run, "--decode=plain", f"--resume={checkpoint}")
+    assert "other values of" not in printed
+    assert [r["iteration"] for r in rows] == [r["iteration"] for r in full_rows] == [1, 2, 3]
+    timing = ("time/", "memory/")
+    for got, expected in zip(rows, full_rows):  # the checkpoint's rows, then iteration 3 run again
+        assert {k: v for k, v in got.items() if not k.startswith(timing)} == {
+            k: v for k, v in expected.items() if not k.startswith(timing)
+        }
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    for name, weight in load_file(tmp_path / "full" / "model.safetensors").items():
+        assert torch.equal(resumed[name], weight), name
 
 
 def test_the_collectives_wait_twice_the_reward_timeout_and_a_checkpoint(monkeypatch):

@@ -78,14 +78,14 @@ def test_mixed_precision_computes_in_bf16_over_float32_weights():
 
 @pytest.mark.parametrize("option", ["mixed_precision", "gradient_checkpointing"])
 def test_the_static_decode_loop_records_the_training_log_probs_with_the_option(option):
-    """--decode static through a forward under bf16 autocast (--mixed_precision) or with the blocks flagged for
-    recomputation (--gradient_checkpointing, which must not drop the cache while sampling): the log-probs recorded
-    while sampling are a teacher-forced pass's through the same model, so that the first ratio is 1 (to bf16's
+    """rlhf_kernels' static decode loop through a forward under bf16 autocast (--mixed_precision) or with the blocks
+    flagged for recomputation (--gradient_checkpointing, which must not drop the cache while sampling): the log-probs
+    recorded while sampling are a teacher-forced pass's through the same model, so that the first ratio is 1 (to bf16's
     rounding under autocast, about 1%)."""
     policy = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(**{option: True}), "cpu", trained=True)
     prompt_ids, prompt_mask = batch()
     uniforms = torch.rand(3, 12, generator=torch.Generator().manual_seed(5))
-    sampling = ppo.Sampling(12, 0.7, torch.tensor([0]), 1, "static")
+    sampling = ppo.Sampling(12, 0.7, torch.tensor([0]), 1, kernel_decode=True)
     responses, logprobs, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
     input_ids = torch.cat([prompt_ids, responses], 1)
     with torch.no_grad():

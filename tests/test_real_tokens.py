@@ -182,9 +182,9 @@ def test_a_training_micro_batch_cut_equals_each_row_alone(embedded):
     policy.zero_grad()
 
 
-@pytest.mark.parametrize("decode", ["dynamic", "static"])
-def test_a_groups_prompt_is_encoded_once_on_the_embedded_policy(decode):
+@pytest.mark.parametrize("kernel_decode", [False, True])
+def test_a_groups_prompt_is_encoded_once_on_the_embedded_policy(kernel_decode):
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")).eval()
     assert_group_prompts_prefilled_once(
-        policy, TOKENIZER.pad_token_id, torch.tensor([TOKENIZER.eos_token_id]), len(TOKENIZER), 1e-5, decode
+        policy, TOKENIZER.pad_token_id, torch.tensor([TOKENIZER.eos_token_id]), len(TOKENIZER), 1e-5, kernel_decode
     )

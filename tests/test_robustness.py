@@ -517,8 +517,6 @@ COMMON_BAD = [
         "--model_name_or_path '.*config.json' is a file; pass the folder that holds the model",
     ),
 ]
-if not torch.cuda.is_available():
-    COMMON_BAD.append((dict(decode="cuda_graph"), "--decode cuda_graph needs a GPU"))
 GROUP_BAD = [
     (dict(num_generations=1), "--num_generations must be at least 2"),
     (

@@ -307,7 +307,7 @@ def test_drift_in_a_definition_a_field_a_block_or_the_plumbing_is_caught():
     a = A + BANNER + "\ndef g():\n    return 3\n"
     b = (
         a.replace('"a"', '"b"')
-        .replace("def own():\n    return 0", "def own():\n    return 9")
+        .replace("def own():\n    return 0", "def theirs():\n    return 9")
         .replace("x = 1", "x = 2")
     )
     assert drifted({"a.py": a, "b.py": b}) == []  # a field of ALGORITHM_FIELDS, a function of one file, main's own
@@ -328,15 +328,15 @@ def test_drift_in_a_definition_a_field_a_block_or_the_plumbing_is_caught():
 def test_sync_copies_the_first_file_over_the_others():
     a = A + BANNER + "\nq = 1\n"
     b = (
-        a.replace("return x + 1", "return x + 2\n    # extra")
+        a.replace("return x + 1", "y = 0\n    return x + 2")
         .replace('"""the seed"""', '"""a seed"""')
         .replace("y = f(x)", "y = f(x) + 0")
         .replace("q = 1", "q = 2")
-        .replace("def own():\n    return 0", "def own():\n    return 9")
+        .replace("def own():\n    return 0", "def theirs():\n    return 9")
     )
     out = synced({"a.py": a, "b.py": b})
     assert out["a.py"] == a
-    assert out["b.py"] == a.replace("def own():\n    return 0", "def own():\n    return 9")
+    assert out["b.py"] == a.replace("def own():\n    return 0", "def theirs():\n    return 9")
     assert drifted(out) == []
 
 
