@@ -2286,7 +2286,7 @@ def find_checkpoint(args):
     if not path:
         return
     script = os.path.basename(__file__)
-    made_by = read_json(os.path.join(path, "manifest.json"))["script"]
+    made_by = read_json(os.path.join(path, "manifest.json")).get("script")
     if made_by != script:
         raise SystemExit(
             f"'{path}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
