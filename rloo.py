@@ -30,7 +30,6 @@ import functools
 import hashlib
 import importlib.util
 import inspect
-import itertools
 import json
 import math
 import multiprocessing.connection
@@ -56,7 +55,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import tyro
-from huggingface_hub import constants as hub_constants
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -545,7 +543,7 @@ def main(args):
     all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
     # Everything besides the model and optimiser that a resumed run needs, in one place.
     if args.resume:
-        state = load_checkpoint(args.resume, models, optimizers)
+        state = load_checkpoint(args, models, optimizers)
     else:
         state = new_state(score_moments=(0.0, 1.0, 0.0))
     # >>> shared: outputs and the starting policy's held-out score
@@ -784,8 +782,6 @@ def load_task(args, device):
 
 def check_model_path(path, kind, what):
     """One sentence, before anything loads, for a path that is not a model of its kind ('model': any)."""
-    if not os.path.isdir(path) and not hub_constants.HF_HUB_OFFLINE and not reachable(hub_constants.ENDPOINT):
-        hub_constants.HF_HUB_OFFLINE = True  # no network: a model cached earlier still loads, any other fails at once
     if os.path.isfile(path):
         raise SystemExit(f"{what} '{path}' is a file; pass the folder that holds the model (save_pretrained's).")
     try:
@@ -812,16 +808,6 @@ def check_model_path(path, kind, what):
     if problem:
         raise SystemExit(f"{what} '{path}' {problem}; pass a {kind} that save_pretrained wrote, with its tokenizer.")
     return config
-
-
-@functools.cache
-def reachable(url):
-    """Whether url's server answers within seconds (the hub, wandb), so that without a network a run says so at once."""
-    try:
-        socket.create_connection((urlparse(url).hostname, urlparse(url).port or 443), timeout=5).close()
-        return True
-    except OSError:
-        return False
 
 
 def load_model(model_class, path, args, device, trained, **kwargs):
@@ -1962,96 +1948,68 @@ def read_json(path):
         return None
 
 
-def digest(entries):
-    """The SHA-256 of a dict's entries (JSON, keys sorted)."""
-    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
-
-
-def run_identity(args):
-    """What a checkpoint records of its run: the script and a digest of the arguments (all but RESUMABLE)."""
-    fixed = {k: v for k, v in asdict(args).items() if k not in RESUMABLE}
-    return {"script": os.path.basename(__file__), "args_sha256": digest(fixed)}
-
-
-def checkpoint_identity(path):
-    """The script and the arguments' digest recorded in a checkpoint's manifest (None each where unreadable)."""
+def checkpoint_problem(path):
+    """What is wrong with a checkpoint, in words naming the file, or None: its files are there at the sizes they were
+    saved with (a stat: no shard is read), its JSON files read, and its state is of the iteration in its name."""
     manifest = read_json(os.path.join(path, "manifest.json"))
-    return {k: manifest.get(k) if isinstance(manifest, dict) else None for k in ("script", "args_sha256")}
-
-
-def file_digests(folder, names):
-    """{name: {"bytes": size, "sha256": checksum}} of files in folder, on every process, each reading a share."""
-    rank = 0
-    world = 1
-    if dist.is_initialized():
-        rank = dist.get_rank()
-        world = dist.get_world_size()
-    mine = {}
-    for name in names[rank::world]:
-        with open(os.path.join(folder, name), "rb") as f:
-            mine[name] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
-    return {name: entry for part in all_processes(mine) for name, entry in part.items()}
-
-
-def write_manifest(folder, args, iteration, rank):
-    """manifest.json, a checkpoint's last file: each file's size and checksum, the run, the iteration, a checksum."""
-    manifest = {**run_identity(args), "iteration": iteration, "files": file_digests(folder, sorted(os.listdir(folder)))}
-    manifest["sha256"] = digest(manifest)  # of its own entries: a manifest damaged in place shows too
-    if rank == 0:
-        pathlib.Path(folder, "manifest.json").write_text(json.dumps(manifest, indent=2))
-
-
-def checkpoint_damage(path):
-    """What is wrong with a checkpoint, in words that name the file, or None when it matches its manifest."""
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
-        return "it has no manifest.json, as a save cut short or a checkpoint older than manifests"
-    manifest = read_json(os.path.join(path, "manifest.json"))
-    try:
-        files = {name: entry["sha256"] for name, entry in manifest["files"].items()}
-        own_checksum = manifest["sha256"]
-    except (KeyError, TypeError, AttributeError):
-        return "its manifest.json is damaged"
-    if own_checksum != digest({k: v for k, v in manifest.items() if k != "sha256"}):
-        return "its manifest.json is damaged"
-    named = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))  # a folder renamed, or a manifest of another
-    if named and manifest.get("iteration") != int(named[1]):
-        return f"its name says iteration {named[1]}, its manifest.json and state.json {manifest.get('iteration')}"
-    missing = [name for name in sorted(files) if not os.path.isfile(os.path.join(path, name))]
-    if missing:
-        return f"{missing[0]} is missing"
-    found = file_digests(path, sorted(files))
-    changed = [name for name in sorted(files) if found[name]["sha256"] != files[name]]
-    if changed:
-        return f"{changed[0]} does not match the checksum it was saved with"
-    state = read_json(os.path.join(path, "state.json"))  # an edit whose checksums were made again
-    if not isinstance(state, dict) or state.get("iteration") != manifest.get("iteration"):
-        return f"its state.json is not of iteration {manifest.get('iteration')}, as its manifest.json is"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return "its manifest.json is missing or damaged"
+    for name, entry in manifest["files"].items():
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} is missing"
+        if os.path.getsize(os.path.join(path, name)) != entry["bytes"]:
+            return f"{name} is not of the size it was saved with"
+    if read_json(os.path.join(path, "args.json")) is None:
+        return "its args.json cannot be read"
+    state = read_json(os.path.join(path, "state.json"))
+    if not isinstance(state, dict):
+        return "its state.json cannot be read"
+    named = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))  # a folder renamed, or a state of another
+    if named and state.get("iteration") != int(named[1]):
+        return f"its name says iteration {named[1]}, its state.json {state.get('iteration')}"
     return None
 
 
+def sound_checkpoints(folder):
+    """The checkpoints in folder with no checkpoint_problem, newest first."""
+    return [path for path in reversed(checkpoints_in(folder)) if checkpoint_problem(path) is None]
+
+
+def resume_instead(path):
+    """What to do in place of resuming path: the newest sound checkpoint beside it, or a start afresh."""
+    for other in sound_checkpoints(os.path.dirname(path)):
+        if other != path:
+            return f"resume from {other}, the newest whole checkpoint beside it"
+    return "no checkpoint beside it is whole, so start afresh in another --output_dir"
+
+
 def find_checkpoint(args):
-    """--resume as a whole checkpoint of this run, or None ('auto': the newest whole one): runs never mix."""
+    """--resume checked before any model loads: a sound checkpoint of this script and these arguments, in a folder
+    of its own run ('auto' stays, load_checkpoint taking the newest sound one that loads, or None where none is)."""
     say = int(os.environ.get("RANK", 0)) == 0
     held = checkpoints_in(args.output_dir)
+    path = args.resume
     if args.resume == "auto":
-        args.resume = None
-        for path in reversed(held):
-            damage = checkpoint_damage(path)
-            if damage is None:
-                args.resume = path
+        path = None
+        for other in reversed(held):
+            problem = checkpoint_problem(other)
+            if problem is None:
+                path = other
                 break
             if say:
-                print(f"--resume auto: skipping {path}: {damage}")
-        if held and not args.resume:
+                print(f"--resume auto: skipping {other}: {problem}")
+        if held and not path:
             raise SystemExit(
                 f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
                 "afresh there, or pass another --output_dir."
             )
-        if say and args.resume:
-            print(f"--resume auto: resuming from {args.resume}")
+        if not path:
+            args.resume = None
+        if say and path:
+            print(f"--resume auto: resuming from {path}")
         elif say:
             print(f"--resume auto: no checkpoint in {args.output_dir}, starting afresh")
-    elif args.resume:  # a path: normalised, a whole checkpoint, or one sentence with the newest whole one beside it
+    elif args.resume:  # a path: normalised, a sound checkpoint, or one sentence with the newest sound one beside it
         args.resume = os.path.normpath(args.resume)
         path = args.resume
         if path.endswith(".tmp"):
@@ -2061,43 +2019,35 @@ def find_checkpoint(args):
                 f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
                 f"{args.output_dir}/checkpoint-N folder, or auto."
             )
-        damage = checkpoint_damage(path)
-        if damage is not None:
-            advice = "no checkpoint beside it is whole, so start afresh in another --output_dir."
-            for other in reversed(checkpoints_in(os.path.dirname(path))):
-                if other != path and checkpoint_damage(other) is None:
-                    advice = f"resume from {other}, the newest whole checkpoint beside it."
-                    break
-            raise SystemExit(f"checkpoint '{path}' is damaged: {damage}; {advice}")
-    if held and not args.resume:
-        which = "another run"
-        if checkpoint_identity(held[-1]) == run_identity(args):
-            which = "a run with these arguments"
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise SystemExit(f"checkpoint '{path}' is damaged: {problem}; {resume_instead(path)}.")
+    if held and not path:
         raise SystemExit(
-            f"--output_dir '{args.output_dir}' holds the checkpoints of {which} (the newest: "
+            f"--output_dir '{args.output_dir}' holds the checkpoints of a run (the newest: "
             f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
             "to start afresh."
         )
-    if held and os.path.realpath(os.path.dirname(args.resume)) != os.path.realpath(args.output_dir):
+    if held and os.path.realpath(os.path.dirname(path)) != os.path.realpath(args.output_dir):
         raise SystemExit(
             f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
-            f"'{args.resume}' there would mix them with its own; pass another --output_dir."
+            f"'{path}' there would mix them with its own; pass another --output_dir."
         )
-    if not args.resume:
+    if not path:
         return
     script = os.path.basename(__file__)
-    made_by = checkpoint_identity(args.resume)["script"]
+    made_by = read_json(os.path.join(path, "manifest.json")).get("script")
     if made_by != script:
         raise SystemExit(
-            f"'{args.resume}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
+            f"'{path}' is a checkpoint of {made_by}, not of {script}; resume it with {made_by}, "
             f"or start {script} in another --output_dir."
         )
-    saved = read_json(os.path.join(args.resume, "args.json"))
+    saved = read_json(os.path.join(path, "args.json"))
     now = json.loads(json.dumps(asdict(args)))  # tuples as lists, as in the saved file
     changed = [k for k in saved if k not in RESUMABLE and saved[k] != now.get(k)]
     if changed:
         raise SystemExit(
-            f"'{args.resume}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
+            f"'{path}' was made with other values of {', '.join('--' + k for k in changed)}; pass "
             f"those of its args.json (only {', '.join('--' + k for k in RESUMABLE[3:])} may change)."
         )
 
@@ -2108,27 +2058,24 @@ def trainer_state_dicts(models, optimizers):
 
 
 def save_checkpoint(args, models, optimizers, state, rank):
-    """What a resumed run needs, as a .tmp with its manifest last, then renamed; all but --keep_checkpoints go."""
+    """What a resumed run needs, written into a .tmp folder renamed once every process has written; all but
+    --keep_checkpoints go."""
     path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
     tmp = path + ".tmp"
     saved = rank == 0 and read_json(os.path.join(path, "state.json")) == json.loads(json.dumps(state))
-    if all_processes(saved and checkpoint_identity(path) == run_identity(args))[0]:  # a stop just after a save
+    if all_processes(saved and checkpoint_problem(path) is None)[0]:  # a stop just after a save
         return path
     refuse_non_finite(models, f"{path} is not written", args)
     error = first_error_anywhere(begin_checkpoint, tmp, args, state, here=rank == 0)
     if error is None:
         error = first_error_anywhere(save_shards, tmp, models, optimizers)
     if error is None:
-        error = first_error_anywhere(write_manifest, tmp, args, state["iteration"], rank)
-    if error is None:
         error = first_error_anywhere(complete_checkpoint, tmp, path, args, here=rank == 0)
     if error is None:
         return path
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    needed = sum(all_processes(megabytes_held(models.values(), optimizers.values())))
-    if rank == 0:
-        raise SystemExit(write_failure(f"writing {path}", error, args, needed))
+        raise SystemExit(write_failure(f"writing {path}", error, args))
     raise SystemExit(1)
 
 
@@ -2160,14 +2107,31 @@ def begin_checkpoint(tmp, args, state):
 
 
 def save_shards(tmp, models, optimizers):
-    """Every process: its shards; returns when every process has written (a plain run's alone, as meant)."""
+    """Every process: its shards, flushed to disk; returns when every process has written (a plain run's alone)."""
     dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
 
 
+def load_shards(path, models, optimizers):
+    """Every process: its shards of the models and optimisers, as saved (for any process count)."""
+    saved = trainer_state_dicts(models, optimizers)
+    dcp.load(saved, checkpoint_id=path)
+    for k in models:
+        set_state_dict(
+            models[k], optimizers[k], model_state_dict=saved[k]["model"], optim_state_dict=saved[k]["optimizer"]
+        )
+
+
 def complete_checkpoint(tmp, path, args):
-    """Rank 0: the save renamed over a stale or damaged checkpoint-N; then the oldest ones and any save cut short go."""
+    """Rank 0: the script and each file's size recorded, the JSON files and the folder flushed to disk, the folder
+    renamed over a stale checkpoint-N; then the oldest ones and any save cut short go."""
+    files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}
+    manifest = {"script": os.path.basename(__file__), "files": files}
+    pathlib.Path(tmp, "manifest.json").write_text(json.dumps(manifest, indent=2))
+    for name in ("args.json", "state.json", "metrics.jsonl", "manifest.json", "."):  # dcp.save flushed its own
+        flush_to_disk(os.path.join(tmp, name))
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
+    flush_to_disk(args.output_dir)  # the rename
     names = os.listdir(args.output_dir)
     cut_short = [os.path.join(args.output_dir, n) for n in names if n.startswith("checkpoint-") and n.endswith(".tmp")]
     for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
@@ -2177,16 +2141,20 @@ def complete_checkpoint(tmp, path, args):
             shutil.rmtree(old)
 
 
-def write_failure(what, error, args, needed_mb=None):
-    """One sentence for a failed write: the free space against what was needed, and the checkpoint to go on from."""
-    free_mb = shutil.disk_usage(args.output_dir).free / 2**20
-    need = f" and about {needed_mb:.0f} MB are needed" if needed_mb else ""
+def flush_to_disk(path):
+    """A file's or a folder's entries written through to the disk (fsync), so that a crash cannot undo a save."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_failure(what, error, args):
+    """One sentence for a failed write, with the checkpoint to go on from."""
     newest = (checkpoints_in(args.output_dir) or [None])[-1]
     then = f"go on from {newest}, the last good checkpoint, with --resume auto" if newest else "start again"
-    return (
-        f"{what} failed ({error}); '{args.output_dir}' has {free_mb:.0f} MB free{need}: free some space (or make "
-        f"the folder writable again) and {then}."
-    )
+    return f"{what} failed ({error}); free some space on '{args.output_dir}' (or make it writable again) and {then}."
 
 
 def new_state(**algorithm_state):
@@ -2204,23 +2172,35 @@ def new_state(**algorithm_state):
     return state
 
 
-def load_checkpoint(path, models, optimizers):
-    """Models and optimisers as saved, for any process count; the state (every draw is seeded by the iteration)."""
-    saved = trainer_state_dicts(models, optimizers)
-    state = read_json(os.path.join(path, "state.json"))
-    try:
-        dcp.load(saved, checkpoint_id=path)
-    except (ValueError, dcp.CheckpointException) as e:  # a model folder that now holds a model of another size
+def load_checkpoint(args, models, optimizers):
+    """Models and optimisers as saved, and the state (every draw is seeded by the iteration); under --resume auto a
+    checkpoint that fails to load gives way to the one before it, every process taking the same; --resume is set."""
+    paths = [args.resume]
+    if args.resume == "auto":
+        paths = sound_checkpoints(args.output_dir)
+    for path in paths:
+        error = first_error_anywhere(load_shards, path, models, optimizers)
+        if error is None:
+            break
+        if args.resume != "auto":
+            raise SystemExit(
+                f"checkpoint '{path}' could not be loaded ({error}); {resume_instead(path)}, or if the models "
+                "changed size, resume with those it was trained from."
+            )
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"--resume auto: {path} could not be loaded ({error}); trying the one before it")
+    if error is not None:
         raise SystemExit(
-            f"'{path}' could not be loaded into this run's models ({str(e).strip().splitlines()[-1]}); if "
-            "they changed size, resume with the models it was trained from."
-        ) from None
-    for k in models:
-        set_state_dict(
-            models[k], optimizers[k], model_state_dict=saved[k]["model"], optim_state_dict=saved[k]["optimizer"]
+            f"--resume auto: no checkpoint in '{args.output_dir}' could be loaded (the last: {error}); if the "
+            "models changed size, resume with those it was trained from, or start afresh in another --output_dir."
         )
-        if state["iteration"] == 0:  # saved before any step: its Adam state is get_state_dict's zero-gradient step
-            optimizers[k].state.clear()  # (step 1, no moments), not one the run took; so Adam starts as the run did
+    if path != paths[0] and int(os.environ.get("RANK", 0)) == 0:
+        print(f"--resume auto: resuming from {path}")
+    args.resume = path
+    state = read_json(os.path.join(path, "state.json"))
+    if state["iteration"] == 0:  # saved before any step: its Adam state is get_state_dict's zero-gradient step
+        for optimizer in optimizers.values():
+            optimizer.state.clear()  # (step 1, no moments), not one the run took; so Adam starts as the run did
     return state
 
 
@@ -2462,25 +2442,6 @@ def take_lock(folder):
     return f
 
 
-def resumed_log(checkpoint, metrics):
-    """A resumed run's log: the checkpoint's rows; the run's own later lines kept in a side file (the first free)."""
-    rows = pathlib.Path(checkpoint, "metrics.jsonl").read_bytes().splitlines(keepends=True)  # whole: one writer
-    own = []  # the lines this folder's log holds, as bytes: a damaged line (not UTF-8) is set aside as any other
-    if os.path.isfile(metrics):
-        own = pathlib.Path(metrics).read_bytes().splitlines(keepends=True)
-    same = next((n for n, (a, b) in enumerate(zip(own, rows)) if a != b), min(len(own), len(rows)))
-    if own[same:]:
-        stem = f"{os.path.splitext(metrics)[0]}.after-{os.path.basename(checkpoint)}"
-        side = f"{stem}.jsonl"
-        for k in itertools.count(2):
-            if not os.path.exists(side):
-                break
-            side = f"{stem}-{k}.jsonl"
-        pathlib.Path(side).write_bytes(b"".join(own[same:]))
-        print(f"--resume: the {len(own) - same} line(s) of {metrics} after those of {checkpoint} are kept in {side}")
-    pathlib.Path(metrics).write_bytes(b"".join(rows))
-
-
 class Log:
     """What rank 0 shows and keeps: args.json, metrics.jsonl, a line per iteration, samples, a progress bar, wandb."""
 
@@ -2495,9 +2456,8 @@ class Log:
             self.lock = take_lock(args.output_dir)  # before anything is written there
             pathlib.Path(args.output_dir, "args.json").write_text(json.dumps(asdict(args), indent=2))
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
-            if args.resume:  # the log as far as the checkpoint goes, then on from there
-                resumed_log(args.resume, metrics)
-            if args.resume:
+            if args.resume:  # the log cut back to the checkpoint's rows, then on from there
+                shutil.copy(os.path.join(args.resume, "metrics.jsonl"), metrics)
                 self.file = open(metrics, "a")
             else:
                 self.file = open(metrics, "w")
@@ -2582,13 +2542,16 @@ class Log:
         import wandb
 
         args = self.args
-        url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-        if os.environ.get("WANDB_MODE") not in ("offline", "disabled") and not reachable(url):
-            print(
-                f"wandb: {urlparse(url).hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
-                "(upload it later with `wandb sync`)"
-            )
-            os.environ["WANDB_MODE"] = "offline"
+        url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+        if os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+            try:  # without it, a node with no network waits 90 s in wandb.init, which then raises
+                socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
+            except OSError:
+                print(
+                    f"wandb: {url.hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
+                    "(upload it later with `wandb sync`)"
+                )
+                os.environ["WANDB_MODE"] = "offline"
         state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in its wandb run
         wandb.init(
             project=args.wandb_project,

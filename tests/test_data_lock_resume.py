@@ -1,7 +1,7 @@
-"""Data read as written, the run lock taken before the output folder is read, options checked in one sentence, and
-resumes that neither redo work nor stop on a damaged log (shared code, through grpo.py's and ppo.py's copies). Each
-case is compared with what was written: the rows a .jsonl of the same values gives, the bytes of a log, the sentence a
-user reads."""
+"""Data read as written, the run lock taken before the output folder is read, options checked in one sentence,
+resumes that do not redo work, and checkpoints checked by name and size and flushed to disk (shared code, through
+grpo.py's and ppo.py's copies). Each case is compared with what was written: the rows a .jsonl of the same values
+gives, the bytes of a log, the sentence a user reads."""
 
 import bz2
 import gzip
@@ -228,7 +228,6 @@ def test_a_second_resume_while_a_run_holds_the_folder_is_refused_before_reading_
         holder.kill()
         holder.wait()
     assert stopped.value.code.startswith(f"--output_dir '{out}' is in use by another run (")
-    assert args.resume == "auto"  # nothing was read
 
 
 def test_a_run_lock_that_is_a_folder_or_cannot_be_written_is_one_sentence_before_any_model(tmp_path):
@@ -308,8 +307,8 @@ def test_a_reward_tokenizer_with_ids_past_the_embeddings_is_refused_before_its_m
 
 def test_a_redone_last_evaluation_is_saved_so_a_later_resume_does_not_redo_it(tmp_path):
     """The grading service fails during the last evaluation; the resumed run redoes it and saves it with the
-    checkpoint: a further --resume auto evaluates nothing and leaves no metrics.after-checkpoint-N file (before, each
-    resume evaluated again and set another copy of the row aside)."""
+    checkpoint: a further --resume auto evaluates nothing and leaves the log as it was (before, each resume evaluated
+    again)."""
     held_out = tmp_path / "test.jsonl"  # 8 prompts: one call of the rule per pass (sampled, greedy)
     held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:8]))
     evaluation = ["--eval_every=100", "--save_every=100", f"--eval_dataset={held_out}", "--eval_batch_size=8"]
@@ -324,37 +323,49 @@ def test_a_redone_last_evaluation_is_saved_so_a_later_resume_does_not_redo_it(tm
     assert again.returncode == 0, again.stderr[-3000:]
     assert "held-out score" not in again.stdout
     assert (out / "metrics.jsonl").read_bytes() == log
-    assert not [name for name in os.listdir(out) if name.startswith("metrics.after-")]
 
 
-def test_a_damaged_log_is_set_aside_on_resume_not_a_traceback(tmp_path):
-    """Bytes that are not UTF-8 in the folder's metrics.jsonl, after the checkpoint's rows: set aside, byte for byte,
-    in the side file and said, as a row cut short is; the log goes on from the checkpoint's rows."""
-    checkpoint = tmp_path / "checkpoint-2"
-    checkpoint.mkdir()
-    rows = b'{"iteration": 1}\n{"iteration": 2}\n'
-    (checkpoint / "metrics.jsonl").write_bytes(rows)
-    damaged = b'{"iteration": 3, "x": "\xff\xfe"}\n{"itera'
-    (tmp_path / "metrics.jsonl").write_bytes(rows + damaged)
-    ppo.resumed_log(str(checkpoint), str(tmp_path / "metrics.jsonl"))
-    assert (tmp_path / "metrics.jsonl").read_bytes() == rows
-    assert (tmp_path / "metrics.after-checkpoint-2.jsonl").read_bytes() == damaged
+def saved_by_hand(folder, iteration, args):
+    """A checkpoint folder of the given name holding a state of the given iteration, completed as a save completes."""
+    tmp = folder.parent / (folder.name + ".tmp")
+    tmp.mkdir()
+    (tmp / "state.json").write_text(json.dumps(grpo.new_state() | {"iteration": iteration}))
+    (tmp / "args.json").write_text("{}")
+    (tmp / "metrics.jsonl").write_text("")
+    grpo.complete_checkpoint(str(tmp), str(folder), args)
 
 
-def test_a_state_of_another_iteration_than_its_manifest_is_damage(tmp_path):
-    """checkpoint-2 whose state.json says iteration 1, its manifest's checksums made again after the edit: damaged
-    (before, it resumed without a word and logged iteration 2 twice)."""
+def test_a_state_of_another_iteration_than_its_name_is_refused(tmp_path):
+    """checkpoint-3 whose state.json says iteration 1 (a folder renamed, or a state copied in): refused before it
+    loads (it would log iterations 2 and 3 twice)."""
     args = grpo.Args(output_dir=str(tmp_path))
-    for iteration, name in ((2, "checkpoint-2"), (1, "checkpoint-3")):
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "state.json").write_text(json.dumps(grpo.new_state() | {"iteration": iteration}))
-        (folder / "metrics.jsonl").write_text("")
-        grpo.write_manifest(str(folder), args, int(name[11:]), 0)
-    assert grpo.checkpoint_damage(str(tmp_path / "checkpoint-2")) is None
-    assert grpo.checkpoint_damage(str(tmp_path / "checkpoint-3")) == (
-        "its state.json is not of iteration 3, as its manifest.json is"
+    saved_by_hand(tmp_path / "checkpoint-2", 2, args)
+    saved_by_hand(tmp_path / "checkpoint-3", 1, args)
+    assert grpo.checkpoint_problem(str(tmp_path / "checkpoint-2")) is None
+    assert grpo.checkpoint_problem(str(tmp_path / "checkpoint-3")) == "its name says iteration 3, its state.json 1"
+
+
+def test_a_completed_save_is_flushed_to_disk_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """Each JSON file, the checkpoint's folder and the folder it is renamed in are fsync'd (the shards dcp.save
+    flushes itself): a crash of the machine after the save cannot undo it; no .tmp folder is left."""
+    flushed = []
+
+    def fsync(fd):
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    saved_by_hand(tmp_path / "checkpoint-2", 2, grpo.Args(output_dir=str(tmp_path)))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+    tmp = str(tmp_path / "checkpoint-2.tmp")
+    assert sorted(flushed) == sorted(
+        [f"{tmp}/args.json", f"{tmp}/state.json", f"{tmp}/metrics.jsonl", f"{tmp}/manifest.json", tmp, str(tmp_path)]
     )
+    assert sorted(os.listdir(tmp_path / "checkpoint-2")) == [
+        "args.json",
+        "manifest.json",
+        "metrics.jsonl",
+        "state.json",
+    ]
 
 
 def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):

@@ -151,18 +151,19 @@ GRPO_ONE_ITERATION = [
 ]
 
 
-def test_a_manifest_damaged_in_place_is_refused_under_python_O(tmp_path):
-    """The manifest's checksum of its own entries was an assert: under -O a manifest edited in place passed."""
+def test_a_checkpoint_damaged_in_place_is_refused_under_python_O(tmp_path):
+    """Its check is plain code, not an assert (under -O an assert passes anything): a size that disagrees with the
+    manifest's is refused there too."""
     stripped = subprocess.run([sys.executable, "-O", "-c", "assert False"], capture_output=True)
     assert stripped.returncode == 0  # -O does strip asserts here, so the check below would see one
     out = tmp_path / "run"
     run_script("grpo.py", out, *GRPO_ONE_ITERATION)
     checkpoint = out / "checkpoint-1"
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"]["state.json"]["bytes"] += 1  # its own checksum no longer matches its entries
+    manifest["files"]["state.json"]["bytes"] += 1  # state.json is no longer of the size recorded
     (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=2))
     cmd = [sys.executable, "-O", "grpo.py", "--output_dir", str(out), *GRPO_ONE_ITERATION, "--resume", str(checkpoint)]
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
-    assert f"checkpoint '{checkpoint}' is damaged: its manifest.json is damaged" in result.stderr
+    assert f"checkpoint '{checkpoint}' is damaged: state.json is not of the size it was saved with" in result.stderr
     assert "Traceback" not in result.stderr

@@ -416,18 +416,16 @@ def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_time
 # ---------------------------------------------------------------- every input checked before loading
 
 
-def test_a_checkpoint_whose_name_disagrees_with_its_manifest_is_not_resumed(tmp_path, uninterrupted):
+def test_a_checkpoint_whose_name_disagrees_with_its_state_is_not_resumed(tmp_path, uninterrupted, capsys):
     """checkpoint-3 copied to checkpoint-7 (the iteration in its name, and the log would go 1-3 then 8): --resume auto
     passes over it to checkpoint-6, and naming it is refused with the reason."""
     out = run_as_found(tmp_path, uninterrupted)
     shutil.copytree(out / "checkpoint-3", out / "checkpoint-7")
-    args = tiny_args("ppo.py", out, resume="auto")
-    ppo.validate(args)
-    assert args.resume == str(out / "checkpoint-6")
+    ppo.validate(tiny_args("ppo.py", out, resume="auto"))
+    assert f"--resume auto: resuming from {out / 'checkpoint-6'}\n" in capsys.readouterr().out
     with pytest.raises(
         SystemExit,
-        match=r"checkpoint-7' is damaged: its name says iteration 7, its manifest.json and "
-        r"state.json 3; resume from .*checkpoint-6",
+        match=r"checkpoint-7' is damaged: its name says iteration 7, its state.json 3; resume from .*checkpoint-6",
     ):
         ppo.validate(tiny_args("ppo.py", out, resume=str(out / "checkpoint-7")))
 
@@ -525,9 +523,9 @@ def test_a_resume_onto_a_policy_of_another_size_is_refused_in_one_sentence(tmp_p
     )
     with pytest.raises(
         SystemExit,
-        match=rf"^'{out / 'checkpoint-1'}' could not be loaded into this run's models "
-        r"\(ValueError: Size mismatch .*\); if they changed size, resume with the "
-        r"models it was trained from\.$",
+        match=rf"^--resume auto: no checkpoint in '{out}' could be loaded \(the last: ValueError: Size mismatch "
+        r".*\); if the models changed size, resume with those it was trained from, or start afresh in another "
+        r"--output_dir\.$",
     ):
         grpo.main(args)
 
@@ -613,7 +611,7 @@ def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
     assert "is an error (TimeoutError: no answer within --reward_timeout 3 s)" in result.stderr, result.stderr[-3000:]
     assert "stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 " in result.stdout
     assert os.listdir(out / "checkpoint-1")
-    assert not grpo.checkpoint_damage(str(out / "checkpoint-1"))
+    assert not grpo.checkpoint_problem(str(out / "checkpoint-1"))
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
@@ -649,4 +647,4 @@ def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp
     assert time.time() - start < 25, printed[-3000:]
     assert "SIGTERM: stopping to save a checkpoint" in printed
     assert "stopped after iteration 1" in printed
-    assert not grpo.checkpoint_damage(str(out / "checkpoint-1"))
+    assert not grpo.checkpoint_problem(str(out / "checkpoint-1"))

@@ -574,7 +574,7 @@ def test_a_rule_reward_needs_answers(script, tmp_path):
         MODULES[script].load_prompts(os.path.join(ROOT, "assets", "reviews", "train.jsonl"), "train", args, tokenizer)
 
 
-def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted):
+def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted, capsys):
     out, _, _ = uninterrupted("grpo.py")
     checkpoint = str(out / "checkpoint-6")
     with pytest.raises(SystemExit, match="was made with other values of --learning_rate, --response_length"):
@@ -592,7 +592,7 @@ def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted):
     # more episodes: allowed
     args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})
     grpo.validate(args)
-    assert args.resume == checkpoint
+    assert f"--resume auto: resuming from {checkpoint}\n" in capsys.readouterr().out
 
 
 class Terminal(io.StringIO):
@@ -623,37 +623,34 @@ def test_a_terminal_gets_a_live_progress_bar_and_a_log_file_only_lines(script, t
             assert "3/3" not in bar
 
 
-# ---------------------------------------------------------------- checkpoints that prove they are whole
+# ---------------------------------------------------------------- checkpoints checked before they load
 
 
 def cut_in_half(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
-def flip_4k(path):
-    """4 KiB in the middle of the file inverted, its size unchanged: what a bad disk or a stray write does."""
-    data = bytearray(path.read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + 4096] = bytes(255 - b for b in data[middle : middle + 4096])
-    path.write_bytes(bytes(data))
+def garbage_of_the_same_size(path):
+    """The file's bytes replaced by random ones, its size unchanged: the stat before loading passes it."""
+    size = path.stat().st_size
+    path.write_bytes(os.urandom(size))
 
 
-def edit_manifest(path):
-    """The manifest's iteration changed from 6 to 7."""
+def iteration_7(path):
+    """state.json's iteration changed from 6 to 7, its size unchanged."""
     path.write_text(path.read_text().replace('"iteration": 6', '"iteration": 7'))
 
 
-# Each kind of file of a checkpoint, damaged: (the file, what is done to it).
+# Each kind of file of a checkpoint, damaged: (the file, what is done to it, what --resume auto says of it).
 DAMAGE = {
-    "shard cut": ("__0_0.distcp", cut_in_half),
-    "shard bytes flipped": ("__0_0.distcp", flip_4k),
-    ".metadata deleted": (".metadata", os.remove),
-    "state.json cut": ("state.json", cut_in_half),
-    "args.json deleted": ("args.json", os.remove),
-    "metrics.jsonl deleted": ("metrics.jsonl", os.remove),
-    "metrics.jsonl cut": ("metrics.jsonl", cut_in_half),
-    "manifest deleted": ("manifest.json", os.remove),
-    "manifest edited": ("manifest.json", edit_manifest),
+    "shard cut": ("__0_0.distcp", cut_in_half, "__0_0.distcp is not of the size it was saved with"),
+    ".metadata deleted": (".metadata", os.remove, ".metadata is missing"),
+    "state.json cut": ("state.json", cut_in_half, "state.json is not of the size it was saved with"),
+    "state.json of another iteration": ("state.json", iteration_7, "its name says iteration 6, its state.json 7"),
+    "args.json garbage": ("args.json", garbage_of_the_same_size, "its args.json cannot be read"),
+    "metrics.jsonl deleted": ("metrics.jsonl", os.remove, "metrics.jsonl is missing"),
+    "metrics.jsonl cut": ("metrics.jsonl", cut_in_half, "metrics.jsonl is not of the size it was saved with"),
+    "manifest deleted": ("manifest.json", os.remove, "its manifest.json is missing or damaged"),
 }
 
 
@@ -672,57 +669,45 @@ def tiny_args(script, out, **kw):
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_checkpoint_is_named_and_the_one_before_taken(damage, tmp_path, uninterrupted, capsys):
     out = run_as_found(tmp_path, uninterrupted)
-    name, spoil = DAMAGE[damage]
+    name, spoil, said = DAMAGE[damage]
     spoil(out / "checkpoint-6" / name)
-    args = tiny_args("ppo.py", out, resume="auto")
-    ppo.validate(args)  # no traceback, nothing loaded
-    assert args.resume == str(out / "checkpoint-3")
-    (skipped,) = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
-    assert skipped.startswith(f"--resume auto: skipping {out / 'checkpoint-6'}: ")
-    assert name in skipped
+    ppo.validate(tiny_args("ppo.py", out, resume="auto"))  # no traceback, nothing loaded
+    printed = capsys.readouterr().out
+    assert f"--resume auto: skipping {out / 'checkpoint-6'}: {said}\n" in printed
+    assert f"--resume auto: resuming from {out / 'checkpoint-3'}\n" in printed
     # named outright: one sentence with the file and the checkpoint to take instead
-    with pytest.raises(
-        SystemExit,
-        match=rf"checkpoint '{re.escape(str(out / 'checkpoint-6'))}' is damaged: .*"
-        rf"{re.escape(name)}.*; resume from {re.escape(str(out / 'checkpoint-3'))}, "
-        "the newest whole checkpoint beside it",
-    ):
+    with pytest.raises(SystemExit) as refused:
         ppo.validate(tiny_args("ppo.py", tmp_path / "elsewhere", resume=str(out / "checkpoint-6")))
+    assert refused.value.code == (
+        f"checkpoint '{out / 'checkpoint-6'}' is damaged: {said}; resume from {out / 'checkpoint-3'}, the newest "
+        "whole checkpoint beside it."
+    )
 
 
-def test_a_run_resumed_past_a_damaged_checkpoint_is_the_same_run(tmp_path, uninterrupted):
-    """Bytes flipped inside the newest shard used to be resumed without a word (and a non-finite policy saved): now
-    the run goes on from the checkpoint before, writes checkpoint-6 anew over the damaged one, and ends as the run
-    that was never damaged; its own log's rows after checkpoint-3 are kept aside, not overwritten."""
+def test_a_shard_that_fails_to_load_gives_way_to_the_checkpoint_before(tmp_path, uninterrupted):
+    """Garbage of the right size in the newest shard passes the stat and fails in dcp.load: --resume auto names it,
+    goes on from checkpoint-3, writes checkpoint-6 anew over it, and ends as the run that was never damaged, its log
+    cut back to checkpoint-3's rows and written on from there."""
     _, full_rows, full_state = uninterrupted("ppo.py")
     out = run_as_found(tmp_path, uninterrupted)
-    flip_4k(out / "checkpoint-6" / "__0_0.distcp")
-    own_log = (out / "metrics.jsonl").read_text().splitlines(keepends=True)  # the held-out row 0, iterations 1-6
+    garbage_of_the_same_size(out / "checkpoint-6" / "__0_0.distcp")
     rows, printed = run_script("ppo.py", out, *cli("ppo.py", save_every=3), "--resume=auto")
-    assert f"skipping {out / 'checkpoint-6'}: __0_0.distcp does not match the checksum it was saved with" in printed
-    assert f"resuming from {out / 'checkpoint-3'}" in printed
+    assert f"--resume auto: {out / 'checkpoint-6'} could not be loaded (" in printed
+    assert f"--resume auto: resuming from {out / 'checkpoint-3'}\n" in printed
     assert without_timing(rows) == full_rows
     assert_bitwise_equal(final_state(out), full_state)
-    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == "".join(own_log[4:])  # iterations 4-6
 
 
-def test_a_resumed_log_keeps_the_runs_own_later_rows_in_the_first_free_side_file(tmp_path, uninterrupted):
-    """Resumed from checkpoint-3 twice over: each time the log goes back to the checkpoint's rows, and the rows the run
-    wrote after them go aside, the second time into a file of their own: nothing is overwritten."""
+def test_a_shard_that_fails_to_load_is_refused_by_hand_naming_the_one_before(tmp_path, uninterrupted):
     out = run_as_found(tmp_path, uninterrupted)
-    checkpoint = out / "checkpoint-3"
-    metrics = out / "metrics.jsonl"
-    whole = (checkpoint / "metrics.jsonl").read_text()
-    own_log = metrics.read_text()  # the held-out row 0, iterations 1-6
-    for later, side in (
-        (own_log, "metrics.after-checkpoint-3.jsonl"),
-        (whole + '{"iteration": 4}\n', "metrics.after-checkpoint-3-2.jsonl"),
-    ):
-        metrics.write_text(later)
-        ppo.resumed_log(str(checkpoint), str(metrics))
-        assert metrics.read_text() == whole
-        assert (out / side).read_text() == later[len(whole) :]
-    assert (out / "metrics.after-checkpoint-3.jsonl").read_text() == own_log[len(whole) :]  # the first kept as it was
+    garbage_of_the_same_size(out / "checkpoint-6" / "__0_0.distcp")
+    with pytest.raises(SystemExit) as refused:
+        ppo.main(tiny_args("ppo.py", out, resume=str(out / "checkpoint-6")))
+    assert refused.value.code.startswith(f"checkpoint '{out / 'checkpoint-6'}' could not be loaded (")
+    assert refused.value.code.endswith(
+        f"); resume from {out / 'checkpoint-3'}, the newest whole checkpoint beside it, or if the models changed "
+        "size, resume with those it was trained from."
+    )
 
 
 def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, uninterrupted):
@@ -734,7 +719,7 @@ def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, 
     other_data = dict(dataset=os.path.join("assets", "arithmetic", "train.jsonl"))
     with pytest.raises(
         SystemExit,
-        match=rf"--output_dir '{re.escape(str(out))}' holds the checkpoints of another run "
+        match=rf"--output_dir '{re.escape(str(out))}' holds the checkpoints of a run "
         r"\(the newest: checkpoint-6\); pass --resume auto to continue it, or "
         "another --output_dir to start afresh",
     ):
@@ -748,7 +733,7 @@ def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, 
         rf"'{re.escape(str(elsewhere))}' there would mix them with its own",
     ):
         ppo.main(tiny_args("ppo.py", out, resume=str(elsewhere)))
-    with pytest.raises(SystemExit, match=r"holds the checkpoints of a run with these arguments"):
+    with pytest.raises(SystemExit, match=r"holds the checkpoints of a run \(the newest: checkpoint-6\)"):
         ppo.main(tiny_args("ppo.py", out))  # the same run started again without --resume
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"} == before
     assert (out / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
@@ -867,7 +852,7 @@ def test_a_reward_that_fails_on_one_process_stops_them_all_together(tmp_path):
     assert result.returncode != 0, printed[-3000:]
     assert printed.count("the grading service went away") == 1, printed[-3000:]
     assert printed.count("stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 ") == 1
-    assert grpo.checkpoint_damage(str(out / "checkpoint-1")) is None
+    assert grpo.checkpoint_problem(str(out / "checkpoint-1")) is None
     assert sorted(os.listdir(out / "checkpoint-1")) == TWO_PROCESS_CHECKPOINT
     assert json.load(open(out / "checkpoint-1" / "state.json"))["iteration"] == 1
 
@@ -890,11 +875,10 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert re.search(
-        rf"writing {re.escape(str(out / 'checkpoint-4'))} failed \(.+\); '{re.escape(str(out))}' has "
-        rf"\d+ MB free and about \d+ MB are needed: free some space \(or make the folder writable again\) "
-        rf"and go on from {re.escape(str(out / 'checkpoint-3'))}, the last good checkpoint, with --resume "
-        r"auto\.$",
+        rf"writing {re.escape(str(out / 'checkpoint-4'))} failed \(.+\); free some space on "
+        rf"'{re.escape(str(out))}' \(or make it writable again\) and go on from "
+        rf"{re.escape(str(out / 'checkpoint-3'))}, the last good checkpoint, with --resume auto\.$",
         result.stderr.strip(),
     )
     assert sorted(os.listdir(out)) == ["args.json", "checkpoint-3", "metrics.jsonl", "run.lock"]  # no checkpoint-4.tmp
-    assert rloo.checkpoint_damage(str(out / "checkpoint-3")) is None
+    assert rloo.checkpoint_problem(str(out / "checkpoint-3")) is None
