@@ -748,7 +748,6 @@ def main(args):
                 if step_is_finite(grad_norms, stats, state, iteration, args):  # a nan or inf gradient: no step
                     for optimizer in optimizers.values():
                         optimizer.step()
-                    refuse_non_finite(models, f"iteration {iteration}'s optimiser step left a weight non-finite", args)
                 for optimizer in optimizers.values():
                     optimizer.zero_grad(set_to_none=True)
                 # <<< shared: optimiser step
