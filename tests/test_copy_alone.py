@@ -13,24 +13,25 @@ import torch
 from helpers import ENV, ROOT, tiny_run
 from safetensors.torch import load_file
 
+import dapo
 import grpo
 import ppo
 import rloo
 
-MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
+MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo, "dapo.py": dapo}
 ALONE = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}  # nothing of the repository on the path
 KERNEL_LINE = "rlhf_kernels (the fused log-prob kernel) was not found: log-probs come from the plain torch path"
 
 
 def two_iterations(script):
     """Two iterations of the script on the embedded models, every path given (as a copier of the file passes them)."""
-    data = "arithmetic" if script == "grpo.py" else "reviews"
+    data = "arithmetic" if script in ("grpo.py", "dapo.py") else "reviews"
     args = [
         f"--model_name_or_path={ROOT}/assets/tiny-sft",
         f"--dataset={ROOT}/assets/{data}/train.jsonl",
         *tiny_run(script, total_episodes=16, response_length=8, eval_every=0),
     ]
-    if script != "grpo.py":
+    if script in ("ppo.py", "rloo.py"):
         args += ["--reward_model_path", f"{ROOT}/assets/tiny-rm"]
     return args
 

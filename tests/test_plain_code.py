@@ -15,7 +15,7 @@ from helpers import ENV, ROOT, run_script
 
 import ppo
 
-SCRIPTS = ("ppo.py", "grpo.py", "rloo.py")
+SCRIPTS = ("ppo.py", "grpo.py", "rloo.py", "dapo.py")
 MAX_WALRUS = 2  # per file, where one reads best
 MAX_ARGUMENTS = 7  # a function taking more groups them (a small dataclass)
 

@@ -15,7 +15,7 @@ import tyro
 from helpers import readme_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = ("ppo.py", "grpo.py", "rloo.py")
+SCRIPTS = ("ppo.py", "grpo.py", "rloo.py", "dapo.py")
 # The documents whose commands are checked, from the repository root (helpers.readme_files reads the same ones).
 DOCUMENTS = [
     "README.md",
