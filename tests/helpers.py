@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import torch
+from transformers import LlamaConfig
 
 import ppo
 from rlhf_kernels import decode
@@ -31,6 +32,23 @@ TINY_SIZES = {
 }
 # grpo.py's and rloo.py's groups of 8: 4 prompts x 8 responses an iteration, in two minibatches of two micro-batches
 GROUPS_OF_EIGHT = ["--rollout_batch_size=4", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=8"]
+
+
+def tiny_llama_config(**changes):
+    """The tests' tiny random Llama: 40 tokens, 2 layers of width 32, 4 heads over 2 key-value heads, pad 0, EOS 1 and
+    no BOS, with the test's own changes (a vocabulary, a label count, ...)."""
+    sizes = dict(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    return LlamaConfig(**{**sizes, **changes})
 
 
 def options(**values):

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from helpers import tiny_llama_config
+from transformers import LlamaForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -20,17 +21,7 @@ RESPONSES = [1, 3, 2, 2]
 @pytest.fixture(scope="module")
 def policy():
     torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=40,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=1,
-        )
-    ).eval()
+    return LlamaForCausalLM(tiny_llama_config(pad_token_id=1, eos_token_id=2)).eval()
 
 
 def test_the_positions_of_each_layout_by_hand(policy):

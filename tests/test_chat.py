@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-from helpers import ROOT, run_script, tiny_run
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from helpers import ROOT, run_script, tiny_llama_config, tiny_run
+from transformers import AutoTokenizer, LlamaForCausalLM
 
 import ppo
 
@@ -72,18 +72,7 @@ def test_a_response_ends_at_any_stop_token():
     """Sample once with no stop token reachable; then make the token sampled third a stop token: the same response
     ends there, the mask covering it, pad after it, and with the same log-probs up to it."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    policy = LlamaForCausalLM(config).eval()
+    policy = LlamaForCausalLM(tiny_llama_config()).eval()
     prompt_ids, prompt_mask = ppo.left_pad([[5, 6, 7]], 0, "cpu")
     uniforms = torch.rand(1, 8, generator=torch.Generator().manual_seed(1))
     never = ppo.Sampling(8, 0.8, -1, 0)  # no token is -1: no stop

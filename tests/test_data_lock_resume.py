@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import tyro
-from helpers import ROOT
+from helpers import ROOT, tiny_llama_config
 from test_real_use import ARITHMETIC, resume_as_printed
 from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fixture, which sets the tiny runs' data)
     cli,
@@ -26,7 +26,7 @@ from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fix
     small_held_out_set,
 )
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import grpo
 import ppo
@@ -293,7 +293,7 @@ def test_a_reward_tokenizer_with_ids_past_the_embeddings_is_refused_before_its_m
     assert len(tokenizer) <= 784 < max(tokenizer.get_vocab().values())
     rm = tmp_path / "rm"
     tokenizer.save_pretrained(rm)
-    config = LlamaConfig(vocab_size=784, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    config = tiny_llama_config(vocab_size=784, num_hidden_layers=1)
     config.architectures = ["LlamaForSequenceClassification"]
     config.save_pretrained(rm)  # no weights: the check must come before they load
     args = ppo.Args(reward_model_path=(str(rm),))

@@ -7,11 +7,10 @@ import os
 
 import pytest
 import torch
-from helpers import assert_static_decode_matches_dynamic, run_script
+from helpers import assert_static_decode_matches_dynamic, run_script, tiny_llama_config
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
 )
@@ -24,19 +23,7 @@ EOS = 1
 
 
 def tiny_config(**kw):
-    return LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=None,
-        **kw,
-    )
+    return tiny_llama_config(max_position_embeddings=128, **kw)
 
 
 def prefix_mask(lengths, T):

@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, run_script, tiny_run
+from helpers import ROOT, run_script, tiny_llama_config, tiny_run
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 import ppo
 
@@ -41,17 +41,11 @@ def other_rm(tmp_path_factory):
     path = tmp_path_factory.mktemp("other-rm")
     tokenizer = other_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         num_labels=1,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
     )
     LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
