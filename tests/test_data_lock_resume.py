@@ -16,7 +16,6 @@ import sys
 import pytest
 import tyro
 from helpers import ROOT, tiny_llama_config
-from test_real_use import ARITHMETIC, resume_as_printed
 from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fixture, which sets the tiny runs' data)
     cli,
     failing_reward,
@@ -303,26 +302,6 @@ def test_a_reward_tokenizer_with_ids_past_the_embeddings_is_refused_before_its_m
 
 
 # ---------------------------------------------------------------- resume and logs
-
-
-def test_a_redone_last_evaluation_is_saved_so_a_later_resume_does_not_redo_it(tmp_path):
-    """The grading service fails during the last evaluation; the resumed run redoes it and saves it with the
-    checkpoint: a further --resume auto evaluates nothing and leaves the log as it was (before, each resume evaluated
-    again)."""
-    held_out = tmp_path / "test.jsonl"  # 8 prompts: one call of the rule per pass (sampled, greedy)
-    held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:8]))
-    evaluation = ["--eval_every=100", "--save_every=100", f"--eval_dataset={held_out}", "--eval_batch_size=8"]
-    args = [*cli("grpo.py"), *ARITHMETIC, *evaluation]
-    out = tmp_path / "run"
-    proc = launch("grpo.py", out, args, prelude=failing_reward(tmp_path, 9, rank=0))  # the last evaluation fails
-    printed = proc.communicate(timeout=240)[0]
-    assert "stopped after iteration 6; to go on:" in printed, printed[-3000:]
-    assert "iter 6 (redone) | held-out score" in resume_as_printed(printed, out / "checkpoint-6")
-    log = (out / "metrics.jsonl").read_bytes()
-    again = finished(script_command("grpo.py", out, [*args, "--resume", "auto"]))
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "held-out score" not in again.stdout
-    assert (out / "metrics.jsonl").read_bytes() == log
 
 
 def saved_by_hand(folder, iteration, args):

@@ -114,21 +114,13 @@ def resume_as_printed(printed, checkpoint):
     return result.stdout + result.stderr
 
 
-def merged(rows):
-    """A log's rows with each iteration's rows joined (a redone evaluation has a row of its own), time aside."""
-    joined = {}
-    for row in without_timing(rows):
-        joined.setdefault(row["iteration"], {}).update(row)
-    return list(joined.values())
-
-
-@pytest.mark.parametrize("which", ["first", "last"])
-@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
-def test_a_reward_failing_in_an_evaluation_is_evaluated_again_on_resume(script, which, tmp_path):
+@pytest.mark.parametrize("script,which", [("ppo.py", "first"), ("grpo.py", "last")])
+def test_a_reward_failing_in_an_evaluation_stops_the_run_and_the_resume_goes_on(script, which, tmp_path):
     """The grading service goes away during the evaluation of the starting policy (its first call), or during the
     last one (after 2 calls for iteration 0's two passes and 6 iterations): the run stops with the checkpoint of the
-    policy the evaluation was of, and the resumed run evaluates it again. Its log, with the redone evaluation's row
-    joined to its iteration's, and its final weights and Adam states are those of the run whose reward never failed."""
+    policy the evaluation was of, and the resumed run goes on from it without that evaluation (not redone). Its log is
+    the log of the run whose reward never failed without that evaluation's scores, and its final weights and Adam
+    states are that run's."""
     held_out = tmp_path / "test.jsonl"  # 8 prompts: one call of the rule per pass (sampled, greedy)
     held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:8]))
     evaluation = ["--eval_every=100", "--save_every=100", f"--eval_dataset={held_out}", "--eval_batch_size=8"]
@@ -142,8 +134,14 @@ def test_a_reward_failing_in_an_evaluation_is_evaluated_again_on_resume(script, 
     assert proc.returncode == 1, printed[-3000:]
     assert f"stopped after iteration {iteration}; to go on:" in printed, printed[-3000:]
     printed = resume_as_printed(printed, out / f"checkpoint-{iteration}")
-    assert f"iter {iteration} ({'redone' if iteration else 'before training'}) | held-out score" in printed
-    assert merged(read_rows(out)) == without_timing(full)
+    assert "held-out score" not in printed  # iteration 0's own row is not printed again
+    expected = []
+    for row in without_timing(full):
+        if row["iteration"] == iteration:
+            row = {k: v for k, v in row.items() if not k.startswith("eval/")}
+        if set(row) != {"iteration", "episodes"}:  # the starting policy's row held its scores alone
+            expected.append(row)
+    assert without_timing(read_rows(out)) == expected
     assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
 
 
