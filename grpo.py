@@ -1136,10 +1136,8 @@ def load_prompts(path, split, args, tokenizer):
                 "the built-in rules compare text or a number: store the answer as one."
             )
         prompt = row[args.prompt_field]
-        is_chat = (
-            isinstance(prompt, list)
-            and len(prompt) > 0
-            and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        is_chat = isinstance(prompt, list) and all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt
         )
         if not isinstance(prompt, str) and not is_chat:
             raise SystemExit(
@@ -1529,13 +1527,7 @@ def reward_reply(fn, texts, answers):
         got = fn(list(texts), list(answers))  # copies: it may change them
         if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):
             return "returned", type(got).__name__
-        scores = []
-        for x in got:
-            if x is None:
-                scores.append(None)
-            else:
-                scores.append(float(x))
-        return "scores", scores
+        return "scores", [None if x is None else float(x) for x in got]
     except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
         return "raised", f"{type(e).__name__}: {e}"
 
