@@ -721,8 +721,7 @@ class Sampling:
 
 
 def load_task(args, device):
-    """The tokenizer, prompts and rows, held-out (prompts, rows) and how to sample, every row checked, before any
-    model loads."""
+    """The tokenizer, prompts and rows, held-out (prompts, rows) and how to sample, before any model loads."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
@@ -1011,8 +1010,7 @@ def head_outputs(model, input_ids, attention_mask):
 
 # ---- data
 def read_rows(path, split, args):
-    """The rows (dicts) of a local .json/.jsonl, .csv/.tsv (every cell text) or .parquet file, compressed or not, read
-    as written (no cache, no pattern: the path is the file), or of a hub dataset."""
+    """The rows (dicts) of a local .json/.jsonl, .csv/.tsv (every cell text) or .parquet file, or of a hub dataset."""
     local = re.search(r"\.(jsonl?|csv|tsv|parquet)(\.gz|\.bz2|\.xz|\.zst)?$", path, re.I)  # a file's kind, any case
     if local and not os.path.isfile(path):
         what = "does not exist"
@@ -1024,8 +1022,16 @@ def read_rows(path, split, args):
             f"dataset file '{path}' {what}; pass a "
             f'file of {{"{args.prompt_field}": ...}} rows (.jsonl, .csv, .tsv, .parquet) or a hub dataset.'
         )
-    if not local:
-        return read_hub_rows(path, split, args)
+    if not local:  # a hub dataset's split
+        from datasets import load_dataset
+
+        try:
+            return list(load_dataset(path, args.dataset_config, split=split))
+        except Exception as e:  # datasets wraps a file's errors in its own
+            raise SystemExit(
+                f"hub dataset '{path}' could not be loaded ({type(e).__name__}: {e}); check its name, the split "
+                f"'{split}', --dataset_config {args.dataset_config} and the network."
+            ) from None
     import bz2  # the readers of compressed and tabular files, needed here alone
     import csv
     import gzip
@@ -1106,19 +1112,6 @@ def read_rows(path, split, args):
     return rows
 
 
-def read_hub_rows(name, split, args):
-    """The rows (dicts) of a hub dataset's split."""
-    from datasets import load_dataset
-
-    try:
-        return list(load_dataset(name, args.dataset_config, split=split))
-    except Exception as e:  # datasets wraps a file's errors in its own
-        raise SystemExit(
-            f"hub dataset '{name}' could not be loaded ({type(e).__name__}: {e}); check its name, the split "
-            f"'{split}', --dataset_config {args.dataset_config} and the network."
-        ) from None
-
-
 def load_prompts(path, split, args, tokenizer):
     """A dataset's prompts tokenised once and its rows (dicts), every row checked before any model loads."""
     rows = read_rows(path, split, args)
@@ -1143,10 +1136,8 @@ def load_prompts(path, split, args, tokenizer):
                 "the built-in rules compare text or a number: store the answer as one."
             )
         prompt = row[args.prompt_field]
-        is_chat = (
-            isinstance(prompt, list)
-            and len(prompt) > 0
-            and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        is_chat = isinstance(prompt, list) and all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt
         )
         if not isinstance(prompt, str) and not is_chat:
             raise SystemExit(
@@ -1363,8 +1354,7 @@ REWARD_FNS = {"arithmetic": arithmetic_reward, "gsm8k": gsm8k_reward}
 
 
 def load_reward_fns(args):
-    """Each --reward_fn as (spec, its function or RewardProcess), yours each started in a process of its own with its
-    function loaded; the first that cannot be is said in one sentence."""
+    """Each --reward_fn as (spec, its function or RewardProcess, started with the function loaded)."""
     return [(spec, load_reward_fn(spec, args.reward_timeout)) for spec in args.reward_fn]
 
 
@@ -1384,8 +1374,7 @@ def load_reward_fn(spec, timeout):
 
 @functools.cache  # one process per function: the argument check starts it, the run uses it
 def reward_process(spec, timeout):
-    """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process:
-    every one stops, rank 0 says it)."""
+    """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process)."""
     process = RewardProcess(spec)
     failures = [f for f in all_processes(process.start(timeout, None)) if f]  # no stops yet: a signal ends the run
     if failures:
@@ -1538,13 +1527,7 @@ def reward_reply(fn, texts, answers):
         got = fn(list(texts), list(answers))  # copies: it may change them
         if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):
             return "returned", type(got).__name__
-        scores = []
-        for x in got:
-            if x is None:
-                scores.append(None)
-            else:
-                scores.append(float(x))
-        return "scores", scores
+        return "scores", [None if x is None else float(x) for x in got]
     except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
         return "raised", f"{type(e).__name__}: {e}"
 
@@ -1625,8 +1608,7 @@ def call_reward_fn(reward_fn, texts, answers, timeout, stops=None):
 
 
 def score_each_alone(reward_fn, texts, answers, timeout, batch_error, stops):
-    """call_reward_fn's scores and reason when the batch's call raised batch_error: each response alone, until the
-    first that times out (the rest could hang as long) or a stop."""
+    """call_reward_fn's answer when the batch's call raised: each response alone, until a timeout or a stop."""
     scores = [float("nan")] * len(texts)
     errors = []
     for i, (text, answer) in enumerate(zip(texts, answers)):
@@ -1676,9 +1658,7 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
 def evaluate(policy, scorer, sampling, held_out, args, stops):
     """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
     prompts, rows = held_out
-    rank = 0
-    if dist.is_initialized():
-        rank = dist.get_rank()
+    rank = int(os.environ.get("RANK", 0))
     device = sampling.stop_ids.device
     uniforms = torch.rand(len(prompts), args.response_length, generator=torch.Generator().manual_seed(args.seed))
     # a contiguous share each, the last topped up with uncounted copies of the last prompt: the same batches (FSDP)
@@ -1715,8 +1695,7 @@ def require(args, names, rule, ok):
 
 
 def check_common_args(args, responses_per_iteration):
-    """The checks every script shares, before any model loads; nothing is created or started here: a run that cannot
-    start leaves nothing behind."""
+    """The checks every script shares, before any model loads; nothing is created or started here."""
     embedded = [f"--{f.name}" for f in fields(args) if ASSETS in str(f.default) and getattr(args, f.name) == f.default]
     if embedded and not os.path.isdir(ASSETS):  # this file copied alone
         raise SystemExit(
@@ -1724,8 +1703,9 @@ def check_common_args(args, responses_per_iteration):
             "this file; pass your own (a model folder or hub name, a .jsonl file or hub dataset)."
         )
     most = torch.finfo(torch.float32).max  # a float option meets float32 tensors (a clamp's bound, a weight)
+    within = f"finite and within +-{most:.3g}"
     floats = [f.name for f in fields(args) if f.type is float]
-    require(args, floats, f"must be finite and within +-{most:.3g}", lambda v: abs(v) <= most)  # nan fails it too
+    require(args, floats, f"must be {within}", lambda v: abs(v) <= most)  # nan fails it too
     require(args, ("seed",), "must lie in [0, 9e12] (iteration i draws from seed * 1e6 + i)", lambda v: 0 <= v <= 9e12)
     require(args, ("eval_every", "save_every"), "must be 0 (never) or more", lambda v: v >= 0)
     timeout_range = "must be 0 (no limit) or from 0.1 s (how often a call is checked) to 1e6 s"
@@ -1749,12 +1729,7 @@ def check_common_args(args, responses_per_iteration):
         lambda v: v >= 1,
     )
     require(args, ("max_grad_norm", "temperature", "lora_alpha"), "must be positive", lambda v: v > 0)
-    require(
-        args,
-        ("ent_coef", "missing_eos_penalty", "lora_r"),
-        "must be zero or more",
-        lambda v: v >= 0,
-    )
+    require(args, ("ent_coef", "missing_eos_penalty", "lora_r"), "must be zero or more", lambda v: v >= 0)
     require(args, ("dual_clip",), "must be 0 (off) or more than 1 (the paper uses 3)", lambda v: v == 0 or v > 1)
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
@@ -1786,19 +1761,11 @@ def check_common_args(args, responses_per_iteration):
     )
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
-    if any(spec.lower() == "none" for spec in args.reward_fn):  # what meant no rule before several could be named
-        raise SystemExit("--reward_fn None is no rule's name: pass --reward_fn with nothing after it for no rule.")
-    require(args, ("reward_fn",), "must name each function once", lambda v: len(set(v)) == len(v))
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
     same_name = "gives two functions one name, and each logs its scores as reward/<name>; rename one"
     require(args, ("reward_fn",), same_name, lambda v: len(set(names)) == len(names))
     require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
-    require(
-        args,
-        ("reward_weights",),
-        f"must each be finite and within +-{most:.3g}",
-        lambda v: all(abs(w) <= most for w in v),
-    )
+    require(args, ("reward_weights",), f"must each be {within}", lambda v: all(abs(w) <= most for w in v))
     if args.mixed_precision and args.model_dtype != "float32":
         raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
     config = check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
@@ -2025,8 +1992,7 @@ def trainer_state_dicts(models, optimizers):
 
 
 def save_checkpoint(args, models, optimizers, state, rank):
-    """What a resumed run needs, written into a .tmp folder renamed once every process has written; all but
-    --keep_checkpoints go."""
+    """What a resumed run needs, in a .tmp folder renamed once all processes wrote; all but --keep_checkpoints go."""
     path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
     tmp = path + ".tmp"
     saved = rank == 0 and read_json(os.path.join(path, "state.json")) == json.loads(json.dumps(state))
@@ -2126,15 +2092,7 @@ def write_failure(what, error, args):
 
 def new_state(**algorithm_state):
     """A run's state at its start: the bookkeeping every script keeps, then the algorithm's own entries."""
-    state = dict(
-        iteration=0,
-        episodes=0,
-        data_position=(0, 0),
-        alarms_on=[],
-        bad_steps=0,
-        skipped_steps=0,
-        elapsed=0.0,
-    )
+    state = dict(iteration=0, episodes=0, data_position=(0, 0), alarms_on=[], bad_steps=0, skipped_steps=0, elapsed=0.0)
     state.update(algorithm_state)
     return state
 
@@ -2194,8 +2152,7 @@ def catch_stop_signals():
 
 
 def stop_if_asked(stops, state, models, optimizers, args):
-    """Nothing, unless a process has a reason to stop (a signal, a failed reward, --max_bad_steps): then every
-    process saves a checkpoint of state and exits, rank 0 printing the command that resumes."""
+    """When a process has a reason to stop (a signal, a failed reward, --max_bad_steps), all save and exit."""
     signum = next((r for r in stops if isinstance(r, int)), 0)
     failure = next((r for r in stops if isinstance(r, str)), None)
     reasons = {"signal": signum, "failure": failure is not None, "bad_steps": state["bad_steps"] >= args.max_bad_steps}
@@ -2213,9 +2170,7 @@ def stop_if_asked(stops, state, models, optimizers, args):
             f"{state['iteration']}); {USUAL_CAUSES}."
         )
         state = dict(state, bad_steps=0)
-    rank = 0
-    if dist.is_initialized():
-        rank = dist.get_rank()
+    rank = int(os.environ.get("RANK", 0))
     path = save_checkpoint(args, models, optimizers, state, rank)
     command = "python"
     if args.world_size > 1:
@@ -2253,27 +2208,20 @@ def step_is_finite(grad_norms, stats, state, iteration, args):
 
 
 def refuse_non_finite(models, what, args):
-    """Stop every process, rank 0 naming it, when a trained weight holds a nan or an inf: one fused reduction."""
-    named = [
-        (f"{key}: {name}", p.to_local() if isinstance(p, DTensor) else p)
-        for key, model in models.items()
-        for name, p in model.named_parameters()
-        if p.requires_grad
-    ]
-    named = [(name, p.detach()) for name, p in named if p.numel()]  # a process may hold an empty shard
-    device = next(p.device for m in models.values() for p in m.parameters())
-    largest = []  # each weight's largest magnitude
-    bad = torch.zeros((), device=device)
-    if named:
-        largest = torch._foreach_norm([p for _, p in named], float("inf"), dtype=torch.float32)
-        bad = (~torch.isfinite(torch.stack(largest))).any().float()
-    if dist.is_initialized():
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-    if not bad.item():
+    """Stop every process, rank 0 naming it, when a trained weight (this process's shard) holds a nan or an inf."""
+    bad = []
+    for key, model in models.items():
+        for name, p in model.named_parameters():
+            local = p.detach()
+            if isinstance(p, DTensor):
+                local = p.to_local().detach()
+            if p.requires_grad and not torch.isfinite(local).all():
+                bad.append(f"{key}: {name}")
+    names = [n for mine in all_processes(bad) for n in mine]
+    if not names:
         return
-    mine = next((name for (name, _), x in zip(named, largest) if not torch.isfinite(x)), None)
-    name = next(n for n in all_processes(mine) if n)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    name = names[0]
+    if int(os.environ.get("RANK", 0)) != 0:
         raise SystemExit(1)
     held = checkpoints_in(args.output_dir)
     newest = f"; the newest checkpoint is {held[-1]}" if held else ""
@@ -2308,8 +2256,7 @@ def global_mean(x, mask=None):
 
 
 def dashboard(stats, state, scores, rollout, clock, args):
-    """The metrics every script logs, over all processes: from the stats summed over tokens, this process's Scores,
-    the rollout of every process and the iteration's Stopwatch."""
+    """The metrics every script logs, over all processes, from the stats, Scores, rollout and Stopwatch."""
     device = scores.raw.device
     sums = sorted(k for k in stats if k not in NOT_SUMS)
     totals = [stats[k] for k in sums] + [stats["tokens"], stats["steps"]]

@@ -220,7 +220,7 @@ def test_a_failing_rule_among_several_is_named(tmp_path):
     "kw,message",
     [
         (dict(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0,)), "--reward_weights needs one weight per"),
-        (dict(reward_fn=("arithmetic", "arithmetic")), "--reward_fn must name each function once"),
+        (dict(reward_fn=("arithmetic", "arithmetic")), "--reward_fn gives two functions one name"),
         (dict(reward_fn=("arithmetic", "a.py:arithmetic")), "--reward_fn gives two functions one name, and each logs"),
     ],
 )
