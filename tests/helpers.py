@@ -51,6 +51,15 @@ def tiny_llama_config(**changes):
     return LlamaConfig(**{**sizes, **changes})
 
 
+def set_up(module, args):
+    """main's set-up steps before any model loads, in its order: the checks, the lock, the reward functions, the
+    checkpoint to go on from."""
+    module.validate(args)
+    module.lock_output_dir(args)
+    module.load_reward_fns(args)
+    module.find_checkpoint(args)
+
+
 def options(**values):
     """Command-line options of one value each, as `--name=value` strings."""
     return [f"--{name}={value}" for name, value in values.items()]

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import tyro
-from helpers import ROOT, tiny_llama_config
+from helpers import ROOT, set_up, tiny_llama_config
 from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fixture, which sets the tiny runs' data)
     cli,
     failing_reward,
@@ -222,7 +222,7 @@ def test_a_second_resume_while_a_run_holds_the_folder_is_refused_before_reading_
         assert holder.stdout.readline() == "held\n"
         args = grpo.Args(output_dir=str(out), resume="auto", eval_every=0)
         with pytest.raises(SystemExit) as stopped:
-            grpo.validate(args)
+            set_up(grpo, args)
     finally:
         holder.kill()
         holder.wait()
@@ -233,13 +233,13 @@ def test_a_run_lock_that_is_a_folder_or_cannot_be_written_is_one_sentence_before
     out = tmp_path / "run"
     (out / "run.lock").mkdir(parents=True)
     with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(Is a directory\\); remove it"):
-        grpo.validate(grpo.Args(output_dir=str(out), eval_every=0))
+        set_up(grpo, grpo.Args(output_dir=str(out), eval_every=0))
     if os.geteuid() != 0:  # root writes any file
         (out / "run.lock").rmdir()
         (out / "run.lock").write_text("")
         (out / "run.lock").chmod(0o444)
         with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(Permission denied\\)"):
-            grpo.validate(grpo.Args(output_dir=str(out), eval_every=0))
+            set_up(grpo, grpo.Args(output_dir=str(out), eval_every=0))
 
 
 def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_path):
@@ -275,9 +275,9 @@ def test_reward_weights_must_be_finite_and_within_float32(weight):
 
 
 @pytest.mark.parametrize("spec", ["None", "none"])
-def test_reward_fn_none_is_answered_with_how_to_say_no_rule(spec):
-    with pytest.raises(SystemExit, match="pass --reward_fn with nothing after it for no rule"):
-        grpo.validate(grpo.Args(reward_fn=(spec,), eval_every=0))
+def test_reward_fn_none_is_refused_as_no_rules_name(spec):
+    with pytest.raises(SystemExit, match=f"unknown --reward_fn '{spec}'; choose one of"):
+        set_up(grpo, grpo.Args(reward_fn=(spec,), eval_every=0))
 
 
 def test_a_reward_tokenizer_with_ids_past_the_embeddings_is_refused_before_its_model_loads(tmp_path):

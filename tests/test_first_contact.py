@@ -209,8 +209,9 @@ def test_a_bad_reward_function_stops_before_any_model_loads(spec, message, tmp_p
     (tmp_path / "rule.py").write_text("def one_argument(responses):\n    return [0.0] * len(responses)\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
     args = grpo.Args(reward_fn=(spec.format(tmp=tmp_path),), output_dir=str(tmp_path / "run"))
+    grpo.validate(args)  # the arguments are well formed; starting the function is main's next set-up step
     with pytest.raises(SystemExit, match=message):
-        grpo.validate(args)
+        grpo.load_reward_fns(args)
     assert not (tmp_path / "run").exists()
 
 

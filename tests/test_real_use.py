@@ -18,7 +18,7 @@ import time
 import pytest
 import test_robustness
 import torch
-from helpers import ROOT, TORCHRUN, run_script, torchrun
+from helpers import ROOT, TORCHRUN, run_script, set_up, torchrun
 from test_reward_code import alive
 from test_robustness import (  # noqa: F401 (small_held_out_set: its autouse fixture, which sets the tiny runs' data)
     ENV,
@@ -419,13 +419,13 @@ def test_a_checkpoint_whose_name_disagrees_with_its_state_is_not_resumed(tmp_pat
     passes over it to checkpoint-6, and naming it is refused with the reason."""
     out = run_as_found(tmp_path, uninterrupted)
     shutil.copytree(out / "checkpoint-3", out / "checkpoint-7")
-    ppo.validate(tiny_args("ppo.py", out, resume="auto"))
+    set_up(ppo, tiny_args("ppo.py", out, resume="auto"))
     assert f"--resume auto: resuming from {out / 'checkpoint-6'}\n" in capsys.readouterr().out
     with pytest.raises(
         SystemExit,
         match=r"checkpoint-7' is damaged: its name says iteration 7, its state.json 3; resume from .*checkpoint-6",
     ):
-        ppo.validate(tiny_args("ppo.py", out, resume=str(out / "checkpoint-7")))
+        set_up(ppo, tiny_args("ppo.py", out, resume=str(out / "checkpoint-7")))
 
 
 def test_lengths_past_the_policys_positions_and_lora_targets_it_lacks_are_refused_before_loading(tmp_path):

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 import tyro
-from helpers import ROOT, TINY_SIZES, TORCHRUN, options, run_script
+from helpers import ROOT, TINY_SIZES, TORCHRUN, options, run_script, set_up
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoTokenizer
@@ -535,7 +535,7 @@ def test_bad_arguments_fail_with_one_sentence_in_every_script(script, kw, messag
     if "num_generations" in kw and script == "ppo.py":
         pytest.skip("ppo.py has no groups")
     with pytest.raises(SystemExit, match=message):
-        MODULES[script].validate(args_for(script, tmp_path / "run", **kw))
+        set_up(MODULES[script], args_for(script, tmp_path / "run", **kw))
 
 
 def test_a_float_option_must_fit_in_float32():
@@ -671,13 +671,13 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_taken(damage, tmp_path
     out = run_as_found(tmp_path, uninterrupted)
     name, spoil, said = DAMAGE[damage]
     spoil(out / "checkpoint-6" / name)
-    ppo.validate(tiny_args("ppo.py", out, resume="auto"))  # no traceback, nothing loaded
+    set_up(ppo, tiny_args("ppo.py", out, resume="auto"))  # no traceback, nothing loaded
     printed = capsys.readouterr().out
     assert f"--resume auto: skipping {out / 'checkpoint-6'}: {said}\n" in printed
     assert f"--resume auto: resuming from {out / 'checkpoint-3'}\n" in printed
     # named outright: one sentence with the file and the checkpoint to take instead
     with pytest.raises(SystemExit) as refused:
-        ppo.validate(tiny_args("ppo.py", tmp_path / "elsewhere", resume=str(out / "checkpoint-6")))
+        set_up(ppo, tiny_args("ppo.py", tmp_path / "elsewhere", resume=str(out / "checkpoint-6")))
     assert refused.value.code == (
         f"checkpoint '{out / 'checkpoint-6'}' is damaged: {said}; resume from {out / 'checkpoint-3'}, the newest "
         "whole checkpoint beside it."
