@@ -578,7 +578,8 @@ def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted, capsy
     out, _, _ = uninterrupted("grpo.py")
     checkpoint = str(out / "checkpoint-6")
     with pytest.raises(SystemExit, match="was made with other values of --learning_rate, --response_length"):
-        grpo.validate(
+        set_up(
+            grpo,
             grpo.Args(
                 **{
                     **TINY["grpo.py"],
@@ -587,11 +588,11 @@ def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted, capsy
                     "learning_rate": 1e-3,
                     "response_length": 9,
                 }
-            )
+            ),
         )
     # more episodes: allowed
     args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})
-    grpo.validate(args)
+    set_up(grpo, args)
     assert f"--resume auto: resuming from {checkpoint}\n" in capsys.readouterr().out
 
 
@@ -746,7 +747,7 @@ def test_a_checkpoint_of_another_script_is_refused(tmp_path, uninterrupted):
         match=rf"'{re.escape(str(checkpoint))}' is a checkpoint of ppo.py, not of grpo.py; "
         "resume it with ppo.py",
     ):
-        grpo.validate(tiny_args("grpo.py", tmp_path, resume=str(checkpoint)))
+        set_up(grpo, tiny_args("grpo.py", tmp_path, resume=str(checkpoint)))
 
 
 @pytest.mark.parametrize("script", list(MODULES))
