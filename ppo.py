@@ -120,7 +120,8 @@ class Args:
     minibatch_size: int = 16
     """responses per optimiser step, over all processes"""
     micro_batch_size: int = 16
-    """responses per forward/backward in one process (gradient accumulation makes up the minibatch)"""
+    """responses per forward/backward in one process (gradient accumulation makes up the minibatch; a value at least
+    the per-process minibatch is one micro-batch, so the defaults hold under torchrun)"""
     num_epochs: int = 4
     """passes over each rollout (typically 1 to 4; more and the data goes stale)"""
     learning_rate: float = 1e-4

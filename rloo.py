@@ -121,7 +121,8 @@ class Args:
     minibatch_size: int = 64
     """responses per optimiser step, over all processes"""
     micro_batch_size: int = 64
-    """responses per forward/backward in one process (gradient accumulation makes up the minibatch)"""
+    """responses per forward/backward in one process (gradient accumulation makes up the minibatch; a value at least
+    the per-process minibatch is one micro-batch, so the defaults hold under torchrun)"""
     num_epochs: int = 1
     """passes over each rollout; more than one update per rollout switches REINFORCE to the clipped loss"""
     learning_rate: float = 3e-4
