@@ -40,7 +40,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,6 @@ import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -1916,8 +1914,8 @@ def read_json(path):
 
 
 def checkpoint_problem(path):
-    """What is wrong with a checkpoint, in words naming the file, or None: its files are there at the sizes they were
-    saved with (a stat: no shard is read), its JSON files read, and its state is of the iteration in its name."""
+    """What keeps a checkpoint from resuming, in words, or None: its files at the sizes saved (a stat: no shard is
+    read), its JSON files readable, its state of the iteration in its name."""
     manifest = read_json(os.path.join(path, "manifest.json"))
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return "its manifest.json is missing or damaged"
@@ -1966,39 +1964,23 @@ def find_checkpoint(args):
             if say:
                 print(f"--resume auto: skipping {other}: {problem}")
         if held and not path:
-            raise SystemExit(
-                f"--resume auto: no checkpoint in '{args.output_dir}' is whole; move them away to start "
-                "afresh there, or pass another --output_dir."
-            )
+            raise SystemExit(f"--resume auto: no checkpoint in {args.output_dir} is whole; pass another --output_dir.")
         if not path:
             args.resume = None
         if say and path:
             print(f"--resume auto: resuming from {path}")
         elif say:
             print(f"--resume auto: no checkpoint in {args.output_dir}, starting afresh")
-    elif args.resume:  # a path: normalised, a sound checkpoint, or one sentence with the newest sound one beside it
+    elif args.resume:  # a path: a whole checkpoint, or one sentence with the newest whole one beside it
         args.resume = os.path.normpath(args.resume)
         path = args.resume
-        if path.endswith(".tmp"):
-            raise SystemExit(f"--resume '{path}' is a save that was cut short (a .tmp folder); pass --resume auto.")
-        if not any(os.path.isfile(os.path.join(path, name)) for name in ("manifest.json", "state.json")):
-            raise SystemExit(
-                f"--resume '{path}' is not a checkpoint (it has no state.json); pass an "
-                f"{args.output_dir}/checkpoint-N folder, or auto."
-            )
         problem = checkpoint_problem(path)
         if problem is not None:
-            raise SystemExit(f"checkpoint '{path}' is damaged: {problem}; {resume_instead(path)}.")
-    if held and not path:
-        raise SystemExit(
+            raise SystemExit(f"--resume '{path}' is not a whole checkpoint: {problem}; {resume_instead(path)}.")
+    if held and (not path or os.path.realpath(os.path.dirname(path)) != os.path.realpath(args.output_dir)):
+        raise SystemExit(  # a new run, or a checkpoint from elsewhere, would mix with that run's
             f"--output_dir '{args.output_dir}' holds the checkpoints of a run (the newest: "
-            f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir "
-            "to start afresh."
-        )
-    if held and os.path.realpath(os.path.dirname(path)) != os.path.realpath(args.output_dir):
-        raise SystemExit(
-            f"--output_dir '{args.output_dir}' holds the checkpoints of another run, and resuming "
-            f"'{path}' there would mix them with its own; pass another --output_dir."
+            f"{os.path.basename(held[-1])}); pass --resume auto to continue it, or another --output_dir."
         )
     if not path:
         return
@@ -2025,18 +2007,17 @@ def trainer_state_dicts(models, optimizers):
 
 
 def save_checkpoint(args, models, optimizers, state, rank):
-    """What a resumed run needs, in a .tmp folder renamed once all processes wrote; all but --keep_checkpoints go."""
+    """What a resumed run needs, in a .tmp folder renamed once every process wrote; all but --keep_checkpoints go."""
     path = os.path.join(args.output_dir, f"checkpoint-{state['iteration']}")
     tmp = path + ".tmp"
     saved = rank == 0 and read_json(os.path.join(path, "state.json")) == json.loads(json.dumps(state))
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this iteration cut short, gone before the gather below
     if all_processes(saved and checkpoint_problem(path) is None)[0]:  # a stop just after a save
         return path
-    refuse_non_finite(models, f"{path} is not written", args)
-    error = first_error_anywhere(begin_checkpoint, tmp, args, state, here=rank == 0)
+    error = first_error_anywhere(dcp.save, trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
     if error is None:
-        error = first_error_anywhere(save_shards, tmp, models, optimizers)
-    if error is None:
-        error = first_error_anywhere(complete_checkpoint, tmp, path, args, here=rank == 0)
+        error = first_error_anywhere(complete_checkpoint, tmp, path, args, state, here=rank == 0)
     if error is None:
         return path
     if rank == 0:
@@ -2045,36 +2026,20 @@ def save_checkpoint(args, models, optimizers, state, rank):
     raise SystemExit(1)
 
 
-def first_error_anywhere(step, *inputs, here=True):
-    """step(*inputs) where here is true; then, on every process, the first process's error as text, or None."""
+def first_error_anywhere(step, *inputs, here=True, **options):
+    """step(*inputs, **options) where here is true; on every process, the first process's error as text, or None."""
     error = None
     try:
         if here:
-            step(*inputs)
+            step(*inputs, **options)
     except (OSError, RuntimeError, dcp.CheckpointException) as e:  # a full disk shows as any of these
         if isinstance(e, dcp.CheckpointException):
-            e = next(iter(e.failures.values()))  # each process's
-        if isinstance(e, tuple):
-            e = e[0]  # an error with its traceback
+            e = next(iter(e.failures.values()))[0]  # each process's error, with its traceback
         error = f"{type(e).__name__}: {e}"[:300]
     errors = [e for e in all_processes(error) if e]
     if errors:
         return errors[0]
     return None
-
-
-def begin_checkpoint(tmp, args, state):
-    """Rank 0: the checkpoint's folder, with the log so far, the arguments and the state."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
-    pathlib.Path(tmp, "args.json").write_text(json.dumps(asdict(args), indent=2))
-    pathlib.Path(tmp, "state.json").write_text(json.dumps(state, indent=2))
-
-
-def save_shards(tmp, models, optimizers):
-    """Every process: its shards, flushed to disk; returns when every process has written (a plain run's alone)."""
-    dcp.save(trainer_state_dicts(models, optimizers), checkpoint_id=tmp)
 
 
 def load_shards(path, models, optimizers):
@@ -2087,9 +2052,12 @@ def load_shards(path, models, optimizers):
         )
 
 
-def complete_checkpoint(tmp, path, args):
-    """Rank 0: the script and each file's size recorded, the JSON files and the folder flushed to disk, the folder
-    renamed over a stale checkpoint-N; then the oldest ones and any save cut short go."""
+def complete_checkpoint(tmp, path, args, state):
+    """Rank 0: beside the shards, the log so far, the arguments, the state and a manifest (the script, each file's
+    size), flushed to disk; the folder renamed over a stale checkpoint-N; then the oldest and any save cut short go."""
+    shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
+    pathlib.Path(tmp, "args.json").write_text(json.dumps(asdict(args), indent=2))
+    pathlib.Path(tmp, "state.json").write_text(json.dumps(state, indent=2))
     files = {name: {"bytes": os.path.getsize(os.path.join(tmp, name))} for name in sorted(os.listdir(tmp))}
     manifest = {"script": os.path.basename(__file__), "files": files}
     pathlib.Path(tmp, "manifest.json").write_text(json.dumps(manifest, indent=2))
@@ -2098,8 +2066,7 @@ def complete_checkpoint(tmp, path, args):
     shutil.rmtree(path, ignore_errors=True)
     os.rename(tmp, path)
     flush_to_disk(args.output_dir)  # the rename
-    names = os.listdir(args.output_dir)
-    cut_short = [os.path.join(args.output_dir, n) for n in names if n.startswith("checkpoint-") and n.endswith(".tmp")]
+    cut_short = list(pathlib.Path(args.output_dir).glob("checkpoint-*.tmp"))
     for old in checkpoints_in(args.output_dir)[: -args.keep_checkpoints] + cut_short:
         if os.path.islink(old):
             os.remove(old)  # a link goes, never what it points to
@@ -2110,10 +2077,8 @@ def complete_checkpoint(tmp, path, args):
 def flush_to_disk(path):
     """A file's or a folder's entries written through to the disk (fsync), so that a crash cannot undo a save."""
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def write_failure(what, error, args):
@@ -2172,15 +2137,8 @@ def catch_stop_signals():
         stops.append(signum)
         print(f"\n{signal.Signals(signum).name}: stopping to save a checkpoint (again: quit at once)", flush=True)
 
-    previous = {}
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        previous[signum] = signal.signal(signum, on_signal)
-
-    def restore_in_child():  # a pool worker forked from this process keeps the handlers it would have had
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-    os.register_at_fork(after_in_child=restore_in_child)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     return stops
 
 
@@ -2216,7 +2174,7 @@ def stop_if_asked(stops, state, models, optimizers, args):
         )
     if failure is None:  # a signal: the exit code of a process it ended
         raise SystemExit(128 + reasons["signal"])
-    if rank == 0:
+    if rank == 0:  # said once, however main was called
         raise SystemExit(failure)
     raise SystemExit(1)
 
@@ -2238,27 +2196,6 @@ def step_is_finite(grad_norms, stats, state, iteration, args):
     if state["bad_steps"] == 1:
         print(f"iteration {iteration}: a non-finite loss or gradient; steps are skipped until a finite one", flush=True)
     return state["bad_steps"] == 0
-
-
-def refuse_non_finite(models, what, args):
-    """Stop every process, rank 0 naming it, when a trained weight (this process's shard) holds a nan or an inf."""
-    bad = []
-    for key, model in models.items():
-        for name, p in model.named_parameters():
-            local = p.detach()
-            if isinstance(p, DTensor):
-                local = p.to_local().detach()
-            if p.requires_grad and not torch.isfinite(local).all():
-                bad.append(f"{key}: {name}")
-    names = [n for mine in all_processes(bad) for n in mine]
-    if not names:
-        return
-    name = names[0]
-    if int(os.environ.get("RANK", 0)) != 0:
-        raise SystemExit(1)
-    held = checkpoints_in(args.output_dir)
-    newest = f"; the newest checkpoint is {held[-1]}" if held else ""
-    raise SystemExit(f"{what}: the weight '{name}' holds a nan or an inf; {USUAL_CAUSES}{newest}.")
 
 
 # ---- dashboard and log
@@ -2349,8 +2286,7 @@ class Stopwatch:
 
 
 def lock_output_dir(args):
-    """One run per folder: rank 0 locks an --output_dir that exists before anything there is read (a new one is
-    locked when the log makes it); under torchrun the others wait until it holds the lock, or has exited."""
+    """One run per folder: rank 0 locks an existing --output_dir before anything there is read, the others waiting."""
     if os.path.isdir(args.output_dir) and int(os.environ.get("RANK", 0)) == 0:
         take_lock(args.output_dir)
     all_processes(None)
@@ -2408,13 +2344,22 @@ class Log:
                 self.file = open(metrics, "a")
             else:
                 self.file = open(metrics, "w")
-            if args.track:
-                self.wandb = self.start_wandb(state)
+            if args.track:  # offline where WANDB_MODE=offline; a resumed run goes on in its wandb run
+                import wandb
+
+                state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()
+                wandb.init(
+                    project=args.wandb_project,
+                    name=args.exp_name,
+                    config=asdict(args),
+                    id=state["wandb_id"],
+                    resume="allow",
+                    dir=args.output_dir,
+                    save_code=True,
+                )
+                self.wandb = wandb
         if state["iteration"] >= args.num_iterations and self.on:  # a resume with nothing left to train
-            print(
-                f"--total_episodes {args.total_episodes} ends at iteration {args.num_iterations}; the checkpoint is "
-                f"at {state['iteration']}, so no step is taken: its policy is saved as it is (raise it to go on)"
-            )
+            print(f"--total_episodes {args.total_episodes} ends at iteration {args.num_iterations}: no step is taken")
         self.t_start = time.time() - state["elapsed"]
         self.progress = tqdm(
             total=args.num_iterations,
@@ -2425,30 +2370,25 @@ class Log:
         )
 
     def write(self, m, step):
-        if self.on:
-            try:  # flushed: a checkpoint copies the file as it stands
-                print(json.dumps(m), file=self.file, flush=True)
-            except OSError as e:
-                error = f"{type(e).__name__}: {e}"
-                raise SystemExit(write_failure(f"writing {self.file.name}", error, self.args)) from None
-            if self.wandb:
-                self.wandb.log(m, step=step)
+        """Rank 0: a row of metrics.jsonl (flushed: a checkpoint copies the file as it stands), and to wandb."""
+        try:
+            print(json.dumps(m), file=self.file, flush=True)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+            raise SystemExit(write_failure(f"writing {self.file.name}", error, self.args)) from None
+        if self.wandb:
+            self.wandb.log(m, step=step)
 
     def evaluation(self, evaluation, state):
-        """A held-out score in a row of its own: the starting policy's, or one a failed reward left to the resume."""
-        if evaluation:
-            m = {
-                "iteration": state["iteration"],
-                "episodes": state["episodes"],
-                **evaluation,
-                "time/elapsed": time.time() - self.t_start,
-            }
-            if self.on:
-                print(
-                    f"iter {m['iteration']} ({'redone' if m['iteration'] else 'before training'}) | held-out score "
-                    f"sampled {m['eval/score']:+.3f} greedy {m['eval/score_greedy']:+.3f}",
-                    flush=True,
-                )
+        """The starting policy's held-out score, in a row of its own (none where its reward failed)."""
+        if evaluation and self.on:
+            m = {"iteration": state["iteration"], "episodes": state["episodes"], **evaluation}
+            m["time/elapsed"] = time.time() - self.t_start
+            print(
+                f"iter 0 (before training) | held-out score sampled {m['eval/score']:+.3f} greedy "
+                f"{m['eval/score_greedy']:+.3f}",
+                flush=True,
+            )
             self.write(m, step=state["episodes"])
 
     def iteration(self, m, state, prompt_ids, texts, scores):
@@ -2484,36 +2424,9 @@ class Log:
                     self.wandb.log({"samples": table}, step=state["episodes"])
         state["alarms_on"] = [name for name, on in firing.items() if on]
 
-    def start_wandb(self, state):
-        """wandb, logging offline (upload later with `wandb sync`) when its server cannot be reached within seconds."""
-        import wandb
-
-        args = self.args
-        url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
-        if os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
-            try:  # without it, a node with no network waits 90 s in wandb.init, which then raises
-                socket.create_connection((url.hostname, url.port or 443), timeout=5).close()
-            except OSError:
-                print(
-                    f"wandb: {url.hostname} cannot be reached; logging offline under {args.output_dir}/wandb "
-                    "(upload it later with `wandb sync`)"
-                )
-                os.environ["WANDB_MODE"] = "offline"
-        state["wandb_id"] = state.get("wandb_id") or os.urandom(8).hex()  # a resumed run goes on in its wandb run
-        wandb.init(
-            project=args.wandb_project,
-            name=args.exp_name,
-            config=asdict(args),
-            id=state["wandb_id"],
-            resume="allow",
-            dir=args.output_dir,
-            save_code=True,
-        )
-        return wandb
-
 
 def finish(policy, tokenizer, log, state, args, rank):
-    """The policy and tokenizer saved for from_pretrained, unless not finite; the log and the processes closed."""
+    """The policy and tokenizer saved for from_pretrained, unless its last steps were not finite; all closed."""
     if state["bad_steps"] and rank != 0:
         raise SystemExit(1)
     if state["bad_steps"]:
@@ -2521,7 +2434,6 @@ def finish(policy, tokenizer, log, state, args, rank):
             f"the last {state['bad_steps']} optimiser step(s) had a non-finite loss or gradient, so the "
             f"policy is not saved to {args.output_dir}; {USUAL_CAUSES}."
         )
-    refuse_non_finite({"policy": policy}, f"the policy is not saved to {args.output_dir}", args)
     weights = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         try:

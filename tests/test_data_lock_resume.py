@@ -308,10 +308,8 @@ def saved_by_hand(folder, iteration, args):
     """A checkpoint folder of the given name holding a state of the given iteration, completed as a save completes."""
     tmp = folder.parent / (folder.name + ".tmp")
     tmp.mkdir()
-    (tmp / "state.json").write_text(json.dumps(grpo.new_state() | {"iteration": iteration}))
-    (tmp / "args.json").write_text("{}")
-    (tmp / "metrics.jsonl").write_text("")
-    grpo.complete_checkpoint(str(tmp), str(folder), args)
+    (folder.parent / "metrics.jsonl").touch()  # the run's log, which the checkpoint copies
+    grpo.complete_checkpoint(str(tmp), str(folder), args, grpo.new_state() | {"iteration": iteration})
 
 
 def test_a_state_of_another_iteration_than_its_name_is_refused(tmp_path):
@@ -334,7 +332,7 @@ def test_a_completed_save_is_flushed_to_disk_and_leaves_no_tmp(tmp_path, monkeyp
 
     monkeypatch.setattr(os, "fsync", fsync)
     saved_by_hand(tmp_path / "checkpoint-2", 2, grpo.Args(output_dir=str(tmp_path)))
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "metrics.jsonl"]
     tmp = str(tmp_path / "checkpoint-2.tmp")
     assert sorted(flushed) == sorted(
         [f"{tmp}/args.json", f"{tmp}/state.json", f"{tmp}/metrics.jsonl", f"{tmp}/manifest.json", tmp, str(tmp_path)]

@@ -462,15 +462,12 @@ runpy.run_path(sys.argv[0], run_name="__main__")
     assert log.read_text() == ""
 
 
-def test_track_without_a_reachable_wandb_logs_offline(tmp_path):
-    env = {**ENV, "WANDB_BASE_URL": "http://127.0.0.1:9"}  # nothing listens on port 9 (discard)
-    env.pop("WANDB_MODE")
-    start = time.time()
+def test_track_on_a_node_without_network_logs_offline_for_a_later_sync(tmp_path):
+    """--track with WANDB_MODE=offline, as docs/long-runs.md says to set on a node without network."""
+    env = {**ENV, "WANDB_MODE": "offline", "WANDB_BASE_URL": "http://127.0.0.1:9"}  # nothing listens on port 9
     args = ["--track", *cli("rloo.py", total_episodes=8), "--log_samples_every=1"]
     result = finished(script_command("rloo.py", tmp_path, args), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "wandb: 127.0.0.1 cannot be reached; logging offline" in result.stdout
-    assert time.time() - start < 120
     (run,) = [tmp_path / "wandb" / n for n in os.listdir(tmp_path / "wandb") if n.startswith("offline-run-")]
     # what a later `wandb sync` uploads: the code, the sample tables, and (in the run's record) the config and the
     # metrics
@@ -500,8 +497,8 @@ COMMON_BAD = [
     (dict(save_every=-1), "--save_every must be 0 \\(never\\) or more"),
     (dict(keep_checkpoints=0), "--keep_checkpoints must be at least 1"),
     (dict(max_bad_steps=0), "--max_bad_steps must be at least 1"),
-    (dict(resume="/nonexistent/checkpoint-3"), "is not a checkpoint \\(it has no state.json\\)"),
-    (dict(resume="/nonexistent/checkpoint-3.tmp"), "is a save that was cut short \\(a .tmp folder\\)"),
+    (dict(resume="/nonexistent/checkpoint-3"), "is not a whole checkpoint: its manifest.json is missing or damaged"),
+    (dict(resume="/nonexistent/checkpoint-3.tmp"), "is not a whole checkpoint: its manifest.json is missing"),
     (dict(minibatch_size=8, micro_batch_size=3), "must divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
     # non-finite floats pass every comparison but "finite"; a seed past 9e12 overflows the generator's 64 bits
@@ -680,8 +677,8 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_taken(damage, tmp_path
     with pytest.raises(SystemExit) as refused:
         set_up(ppo, tiny_args("ppo.py", tmp_path / "elsewhere", resume=str(out / "checkpoint-6")))
     assert refused.value.code == (
-        f"checkpoint '{out / 'checkpoint-6'}' is damaged: {said}; resume from {out / 'checkpoint-3'}, the newest "
-        "whole checkpoint beside it."
+        f"--resume '{out / 'checkpoint-6'}' is not a whole checkpoint: {said}; resume from {out / 'checkpoint-3'}, "
+        "the newest whole checkpoint beside it."
     )
 
 
@@ -718,23 +715,18 @@ def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, 
     out = run_as_found(tmp_path, uninterrupted)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"}
     other_data = dict(dataset=os.path.join("assets", "arithmetic", "train.jsonl"))
-    with pytest.raises(
-        SystemExit,
-        match=rf"--output_dir '{re.escape(str(out))}' holds the checkpoints of a run "
-        r"\(the newest: checkpoint-6\); pass --resume auto to continue it, or "
-        "another --output_dir to start afresh",
-    ):
+    refusal = (
+        rf"^--output_dir '{re.escape(str(out))}' holds the checkpoints of a run \(the newest: checkpoint-6\); pass "
+        r"--resume auto to continue it, or another --output_dir\.$"
+    )
+    with pytest.raises(SystemExit, match=refusal):
         ppo.main(tiny_args("ppo.py", out, **other_data))
     with pytest.raises(SystemExit, match="was made with other values of --dataset"):
         ppo.main(tiny_args("ppo.py", out, resume="auto", **other_data))
     elsewhere = uninterrupted("ppo.py")[0] / "checkpoint-3"  # a whole checkpoint of a run of its own
-    with pytest.raises(
-        SystemExit,
-        match=rf"holds the checkpoints of another run, and resuming "
-        rf"'{re.escape(str(elsewhere))}' there would mix them with its own",
-    ):
+    with pytest.raises(SystemExit, match=refusal):
         ppo.main(tiny_args("ppo.py", out, resume=str(elsewhere)))
-    with pytest.raises(SystemExit, match=r"holds the checkpoints of a run \(the newest: checkpoint-6\)"):
+    with pytest.raises(SystemExit, match=refusal):
         ppo.main(tiny_args("ppo.py", out))  # the same run started again without --resume
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != "run.lock"} == before
     assert (out / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
@@ -766,35 +758,6 @@ def test_a_learning_rate_of_1e9_never_ends_with_a_broken_policy_saved(script, tm
     assert not (tmp_path / "model.safetensors").exists()
     for checkpoint in MODULES[script].checkpoints_in(str(tmp_path)):  # what was written is finite
         assert all(torch.isfinite(w).all() for w in checkpointed(checkpoint)["policy"]["model"].values())
-
-
-def test_a_step_that_makes_a_weight_non_finite_is_never_saved(tmp_path, keep_signal_handlers):
-    """A learning rate of 3e38, float32's largest, takes a step past float32's range with a finite gradient (no
-    scan of the weights after each step: the next steps' gradients are not finite, and --max_bad_steps stops the
-    run): the run stops in one sentence, and no checkpoint nor policy holds the non-finite weights."""
-    with pytest.raises(SystemExit, match=r"holds a nan or an inf|optimiser steps in a row had a non-finite"):
-        rloo.main(args_for("rloo.py", tmp_path, total_episodes=48, learning_rate=3e38, save_every=1))
-    for checkpoint in rloo.checkpoints_in(str(tmp_path)):  # what was written is finite
-        assert all(torch.isfinite(w).all() for w in checkpointed(checkpoint)["policy"]["model"].values())
-    assert not (tmp_path / "model.safetensors").exists()
-
-
-def test_no_save_writes_a_non_finite_model(tmp_path):
-    policy = torch.nn.Linear(2, 2)
-    with torch.no_grad():
-        policy.weight[1, 0] = float("nan")
-    models = {"policy": policy}
-    optimizers = {"policy": torch.optim.AdamW(policy.parameters())}
-    args = ppo.Args(output_dir=str(tmp_path))
-    with pytest.raises(
-        SystemExit,
-        match=rf"{re.escape(str(tmp_path / 'checkpoint-1'))} is not written: the weight "
-        "'policy: weight' holds a nan or an inf",
-    ):
-        ppo.save_checkpoint(args, models, optimizers, {"iteration": 1}, rank=0)
-    with pytest.raises(SystemExit, match="the policy is not saved to .*: the weight 'policy: weight' holds a nan"):
-        ppo.finish(policy, None, None, {"bad_steps": 0}, args, rank=0)
-    assert os.listdir(tmp_path) == []
 
 
 def failing_reward(tmp_path, from_batch, rank):
