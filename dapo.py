@@ -827,8 +827,7 @@ def collective_timeout(args):
 
 @dataclass
 class Sampling:
-    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
-    that fills a row after its end, and whether rlhf_kernels' static_decode takes generate's decode steps (--decode)."""
+    """How generate samples (stop_ids (S,): the tokens that end a response; kernel_decode: rlhf_kernels' decode)."""
 
     max_new_tokens: int
     temperature: float
@@ -843,9 +842,7 @@ def load_task(args, device):
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
     if tokenizer.pad_token_id is None:
-        warnings.warn(
-            "the tokenizer has no pad token; using EOS as pad (masks, not ids, say what is padding).", stacklevel=2
-        )
+        warnings.warn("the tokenizer has no pad token; using EOS as pad (the masks say what is padding).", stacklevel=2)
         tokenizer.pad_token = tokenizer.eos_token
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)  # the chat template tried first
     # --decode auto: CUDA graphs on one GPU only; FSDP2's hooks cannot be captured, a CPU's static cache gains little
@@ -1488,8 +1485,8 @@ def load_reward_fn(spec, timeout):
 
 
 class RewardProcess:
-    """Your --reward_fn, run in a fresh interpreter (never a fork of this one, whose threads may hold locks) in a
-    process group of its own that a timeout or a stop kills whole; started again at the next call; ended with us."""
+    """Your --reward_fn in a fresh interpreter (never a fork of this one, whose threads may hold locks), in a process
+    group of its own that a timeout or a stop kills whole; started again at the next call; it ends with the trainer."""
 
     def __init__(self, spec):
         self.spec = spec
