@@ -1490,7 +1490,7 @@ def reward_module(path):
 
 
 def resolve_reward_fn(spec):
-    """In the reward process: (the function spec names, None), or (None, what says why not)."""
+    """In the reward process: (the function spec names, None), or (None, why not: start puts the --reward_fn first)."""
     where, _, name = spec.rpartition(":")
     try:
         if where.endswith(".py"):
