@@ -699,9 +699,8 @@ CHECKPOINT_S = 1200  # the longest a checkpoint may take: a 7B PPO run's policy 
 
 
 def collective_timeout(args):
-    """How long a process waits in a collective for the others: past the longest legitimate wait, twice
-    --reward_timeout and a checkpoint. NCCL's own 10 minutes, the default --reward_timeout, would end the processes
-    waiting on a hung reward just as its --reward_timeout ends the call, before the checkpoint."""
+    """How long a process waits for the others in a collective: twice --reward_timeout and a checkpoint (NCCL's own 10
+    minutes, the default --reward_timeout, would end the processes waiting on a hung reward before its checkpoint)."""
     if args.reward_timeout <= 0:  # a reward may take any time
         return datetime.timedelta(days=7)
     return datetime.timedelta(seconds=2 * args.reward_timeout + CHECKPOINT_S)
@@ -709,8 +708,7 @@ def collective_timeout(args):
 
 @dataclass
 class Sampling:
-    """How generate samples: the most new tokens, the temperature, the tokens that end a response (S,), the pad token
-    that fills a row after its end, and whether rlhf_kernels' static_decode takes generate's decode steps (--decode)."""
+    """How generate samples (stop_ids (S,): the tokens that end a response; kernel_decode: rlhf_kernels' decode)."""
 
     max_new_tokens: int
     temperature: float
@@ -725,9 +723,7 @@ def load_task(args, device):
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
     if tokenizer.pad_token_id is None:
-        warnings.warn(
-            "the tokenizer has no pad token; using EOS as pad (masks, not ids, say what is padding).", stacklevel=2
-        )
+        warnings.warn("the tokenizer has no pad token; using EOS as pad (the masks say what is padding).", stacklevel=2)
         tokenizer.pad_token = tokenizer.eos_token
     stop_ids = stop_token_ids(tokenizer, args.model_name_or_path).to(device)  # the chat template tried first
     # --decode auto: CUDA graphs on one GPU only; FSDP2's hooks cannot be captured, a CPU's static cache gains little
@@ -747,7 +743,7 @@ def load_task(args, device):
 
 def check_model_path(path, kind, what):
     """One sentence, before anything loads, for a path that is not a model of its kind ('model': any)."""
-    if os.path.isfile(path):
+    if os.path.isfile(path):  # AutoConfig reads a config.json: the tokenizer would fail on it, naming a hub repo
         raise SystemExit(f"{what} '{path}' is a file; pass the folder that holds the model (save_pretrained's).")
     try:
         config = AutoConfig.from_pretrained(path)
@@ -757,19 +753,14 @@ def check_model_path(path, kind, what):
             "written by save_pretrained or a hub model name (the hub needs the network)."
         ) from None
     archs = config.architectures or []
-    files = None  # a hub model's are not listed
-    if os.path.isdir(path):
-        files = os.listdir(path)
     heads = {"causal LM": ("ForCausalLM", "LMHeadModel"), "sequence classifier": ("ForSequenceClassification",)}
     problem = None
     if kind in heads and not any(a.endswith(heads[kind]) for a in archs):
         problem = f"is a {archs or config.model_type}, not a {kind}"
     elif kind == "sequence classifier" and config.num_labels != 1:
         problem = f"has {config.num_labels} labels, not one (num_labels=1)"
-    elif files is not None and not any(f.endswith((".safetensors", ".bin")) for f in files):
-        problem = "holds a config but no weights (no *.safetensors or *.bin file)"
-    elif files is not None and kind == "causal LM" and not {"tokenizer.json", "tokenizer_config.json"} & set(files):
-        problem = "has no tokenizer (no tokenizer.json or tokenizer_config.json)"
+    elif kind == "causal LM" and os.path.isdir(path) and not any(pathlib.Path(path).glob("tokenizer*.json")):
+        problem = "has no tokenizer (no tokenizer.json or tokenizer_config.json)"  # transformers asks for sentencepiece
     if problem:
         raise SystemExit(f"{what} '{path}' {problem}; pass a {kind} that save_pretrained wrote, with its tokenizer.")
     return config
@@ -807,8 +798,8 @@ def load_model(model_class, path, args, device, trained, **kwargs):
 
 
 def rotary_in_bf16(rotary, inputs, cos_sin):
-    """A hook on a rotary embedding under autocast: its cos and sin in bf16, as FSDP2's policy makes them, so that the
-    keys are bf16 too (a float32 trunk makes them float32: a cache 1.5x as large, cast to bf16 at every step)."""
+    """A hook on a rotary embedding under autocast: its cos and sin in bf16, as FSDP2's policy makes them (a float32
+    trunk makes the keys float32: a cache 1.5x as large, cast to bf16 at every step)."""
     return tuple(x.to(torch.bfloat16) for x in cos_sin)
 
 
@@ -1116,6 +1107,7 @@ def load_prompts(path, split, args, tokenizer):
     rows = read_rows(path, split, args)
     if len(rows) == 0:
         raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
+    texts = []
     for n, row in enumerate(rows, 1):
         has = list(row) if isinstance(row, dict) else []
         if args.prompt_field not in has:
@@ -1135,10 +1127,8 @@ def load_prompts(path, split, args, tokenizer):
                 "the built-in rules compare text or a number: store the answer as one."
             )
         prompt = row[args.prompt_field]
-        is_chat = isinstance(prompt, list) and all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt
-        )
-        if not isinstance(prompt, str) and not is_chat:
+        chat = isinstance(prompt, list) and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+        if not isinstance(prompt, str) and not chat:
             raise SystemExit(
                 f"row {n} of '{path}' has a {type(prompt).__name__} as its prompt; a prompt is text or "
                 'a list of {"role", "content"} messages.'
@@ -1151,15 +1141,12 @@ def load_prompts(path, split, args, tokenizer):
             raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row.")
         if re.search("[\ud800-\udfff]", str(prompt)):  # half of a UTF-16 pair, which no tokenizer reads
             raise SystemExit(f"row {n} of '{path}' holds a lone surrogate (half of a UTF-16 pair); fix its text.")
-        if (is_chat or args.chat_template) and tokenizer.chat_template is None:
+        if (chat or args.chat_template) and tokenizer.chat_template is None:
             raise SystemExit(
                 f"row {n} of '{path}' needs a chat template, but the tokenizer of "
                 f"'{args.model_name_or_path}' has none; save one with it, or drop --chat_template."
             )
-    texts = []
-    for row in rows:  # chat messages (with --chat_template, every prompt) through the template
-        prompt = row[args.prompt_field]
-        if isinstance(prompt, str) and args.chat_template:
+        if isinstance(prompt, str) and args.chat_template:  # --chat_template: the text as a user's turn
             prompt = [{"role": "user", "content": prompt}]
         if not isinstance(prompt, str):
             prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
@@ -1275,21 +1262,21 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
             )  # (B, 1)
             rm_scores.append(last_column[:, 0])
     rules = {}  # {name: (B,) its scores, nan where it failed}
-    failures = []  # (--reward_fn, its scores, why) of each rule that failed
+    failures = []  # ((B,) scores, why) of each rule, why None where nothing failed
     answers = [row.get(args.answer_field) for row in rows]
     for spec, fn in scorer.reward_fns:
-        scores, reason = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
-        rules[spec.rpartition(":")[2]] = torch.tensor(scores, device=input_ids.device)
-        if reason is not None:
-            failures.append((spec, scores, reason))
+        name = spec.rpartition(":")[2]
+        scores, why = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
+        rules[name] = torch.tensor(scores, device=input_ids.device)
+        if why is not None and len(scorer.reward_fns) > 1:  # which rule failed
+            why = f"{why} (--reward_fn {spec})"
+        failures.append((rules[name], why))
     rule_reward = None  # (B,) the rules' weighted sum
     if rules:
         weights = args.reward_weights or [1.0] * len(rules)
         rule_reward = functools.reduce(torch.add, [w * x for w, x in zip(weights, rules.values())])
     score = combine_scores(rm_scores, rule_reward)
-    why = first_rule_failure(score, failures, several=len(rules) > 1)
-    prompt_ids = input_ids[:, :P]
-    score, failed = replace_failed_scores(score, why, texts, scorer.tokenizer, prompt_ids, args, stops)
+    score, failed = replace_failed_scores(score, failures, texts, scorer.tokenizer, input_ids[:, :P], args, stops)
     metrics = {}
     if rules:
         metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
@@ -1299,18 +1286,21 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
     return Scores(score, metrics, texts, failed)
 
 
-def replace_failed_scores(score, why, texts, tokenizer, prompt_ids, args, stops):
+def replace_failed_scores(score, failures, texts, tokenizer, prompt_ids, args, stops):
     """Scores (B,) that are not finite: a reason to stop (in stops; none given: raised), or with --on_reward_error
-    penalty put below the batch's lowest. why says what failed (None: a score is not finite). Returns (B,), count."""
+    penalty put below the batch's lowest. failures: score_responses'. Returns (B,) and how many failed."""
     bad = ~torch.isfinite(score)
     if not bad.any() or any(isinstance(r, int) for r in stops or ()):  # after a stop signal the batch goes unused
         return score, 0
-    if why is None:
-        why = "not a finite number"
-    i = bad.nonzero()[0, 0].item()
-    which = f"the response {texts[i]!r} to the prompt {tokenizer.decode(prompt_ids[i], skip_special_tokens=True)!r}"
     if args.on_reward_error == "penalty" and not bad.all():
         return torch.where(bad, score[~bad].min() - args.missing_eos_penalty, score), int(bad.sum())
+    i = bad.nonzero()[0, 0].item()
+    why = "not a finite number"  # a reward model's score, or the rules' sum past float32's range
+    for scores, reason in failures:  # the first rule that failed on response i
+        if not scores[i].isfinite():
+            why = reason
+            break
+    which = f"the response {texts[i]!r} to the prompt {tokenizer.decode(prompt_ids[i], skip_special_tokens=True)!r}"
     if args.on_reward_error == "stop":
         failure = (
             f"the reward of {which} is {why}; fix the reward, or pass --on_reward_error penalty to score "
@@ -1368,23 +1358,16 @@ def load_reward_fn(spec, timeout):
             f"unknown --reward_fn '{spec}'; choose one of {sorted(REWARD_FNS)}, or pass your own as "
             "path/to/file.py:function or package.module:function."
         )
-    return reward_process(spec, timeout)
-
-
-@functools.cache  # one process per function: the argument check starts it, the run uses it
-def reward_process(spec, timeout):
-    """spec's RewardProcess, started with its function loaded, or the sentence that says why not (on any process)."""
     process = RewardProcess(spec)
-    failures = [f for f in all_processes(process.start(timeout, None)) if f]  # no stops yet: a signal ends the run
+    failures = [f for f in all_processes(process.start(timeout, None)) if f]  # any process's: every one stops
     if failures:
         raise SystemExit(failures[0][1])
     return process
 
 
 class RewardProcess:
-    """Your --reward_fn, run in a fresh interpreter (never a fork of this one, whose other threads may hold locks) in
-    a process group of its own, that a timeout or a stop kills whole, with whatever the function started; started
-    again at the next call. It ends with the trainer."""
+    """Your --reward_fn in a fresh interpreter (never a fork of this one, whose threads may hold locks), in a process
+    group of its own that a timeout or a stop kills whole; started again at the next call; it ends with the trainer."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -1392,8 +1375,7 @@ class RewardProcess:
         self.connection = None
 
     def start(self, timeout, stops):
-        """Starts the process and loads the function there, bounded as a call by timeout and stops: None, or ("raised"
-        or "timeout", the one sentence that says why it cannot), or ("stopped", None)."""
+        """Starts the process and loads the function there, bounded as a call: None, or (kind, the sentence why not)."""
         ours, theirs = multiprocessing.Pipe()
         program = f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"
         # -P: the working folder is not first on its path, where a random.py would shadow the standard library's
@@ -1403,55 +1385,41 @@ class RewardProcess:
         )
         theirs.close()
         self.connection = ours
-        kind, got = self.ask((sys.path, self.spec), timeout, stops)
+        kind, why = self.ask((sys.path, self.spec), timeout, stops)
         if kind == "loaded":
             return None
-        if kind == "timeout":  # a grader whose import waits for a service that is down
-            return kind, (
-                f"--reward_fn {self.spec}: loading it gave no answer within --reward_timeout {timeout:g} s; check "
-                "what its import waits for, or pass a longer --reward_timeout."
-            )
-        if kind == "ended":  # os._exit() at import, a crash
-            return "raised", f"--reward_fn {self.spec}: the process loading it ended (exit code {got}); fix it."
-        if kind == "raised":  # resolve_reward_fn's sentence: the process ends
+        if self.process is not None:  # resolve_reward_fn's sentence: the process ends
             self.kill()
-        return kind, got
+        if kind == "timeout":  # a grader whose import waits for a service that is down
+            why = f"loading it gave {why}; check what its import waits for, or pass a longer --reward_timeout."
+        return kind, f"--reward_fn {self.spec}: {why}"
 
     def call(self, texts, answers, timeout, stops):
-        """reward_reply's answer from the process (started first where it is not), or ("timeout", why) after timeout
-        seconds (0: no limit), or ("stopped", None) as soon as stops holds a signal: then its group is killed."""
+        """ask's answer to (texts, answers), the process started first where it is not."""
         if stops and any(isinstance(r, int) for r in stops):  # the run is stopping: no call begins
             return "stopped", None
         if self.process is None:
             failed = self.start(timeout, stops)
             if failed:
                 return failed
-        kind, got = self.ask((texts, answers), timeout, stops)
-        if kind == "timeout":
-            return kind, f"no answer within --reward_timeout {timeout:g} s"
-        if kind == "ended":  # os._exit() in the function, a crash, a kill from outside
-            return "raised", f"the process running it ended (exit code {got})"
-        return kind, got
+        return self.ask((texts, answers), timeout, stops)
 
     def ask(self, message, timeout, stops):
         """Sends message and gives the process's answer, or ("stopped", None) as soon as stops holds a signal,
-        ("timeout", None) after timeout seconds (0: no limit) or ("ended", its exit code): its group then killed."""
+        ("timeout", why) after timeout seconds (0: no limit), ("raised", why) if it ended: its group then killed."""
         try:
             self.connection.send(message)
-        except OSError:  # it ended since the last call (killed from outside): a broken pipe, a reset connection
-            return "ended", self.kill()
-        end = time.monotonic() + timeout
-        while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
-            if stops and any(isinstance(r, int) for r in stops):
-                self.kill()
-                return "stopped", None
-            if timeout and time.monotonic() > end:
-                self.kill()
-                return "timeout", None
-        try:
+            end = time.monotonic() + timeout
+            while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
+                if stops and any(isinstance(r, int) for r in stops):
+                    self.kill()
+                    return "stopped", None
+                if timeout and time.monotonic() > end:
+                    self.kill()
+                    return "timeout", f"no answer within --reward_timeout {timeout:g} s"
             return self.connection.recv()
-        except (EOFError, OSError):  # it ended: os._exit(), a crash, a kill from outside
-            return "ended", self.kill()
+        except (EOFError, OSError):  # it ended: os._exit(), a crash, a kill from outside (a broken pipe)
+            return "raised", f"the process running it ended (exit code {self.kill()})"
 
     def kill(self):
         """Kills the process group: the process and what its function started (unless that left the group)."""
@@ -1466,16 +1434,12 @@ class RewardProcess:
         return code
 
 
-@functools.cache  # read once, at the checks: the file may be edited or replaced while the run goes on
+@functools.cache  # read once: the file may be edited or replaced while the run goes on
 def reward_process_code():
     """The reward process's program: the functions of this file that it runs, as they were when the run began."""
-    shipped = (reward_module, resolve_reward_fn, reward_reply, end_with_the_trainer, serve_rewards)
-    return "\n".join([REWARD_PROCESS_IMPORTS, *map(inspect.getsource, shipped)])
-
-
-REWARD_PROCESS_IMPORTS = (
-    "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
-)
+    imports = "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
+    shipped = (reward_module, resolve_reward_fn, reward_reply, serve_rewards)
+    return "\n".join([imports, *map(inspect.getsource, shipped)])
 
 
 def reward_module(path):
@@ -1492,7 +1456,7 @@ def reward_module(path):
 
 
 def resolve_reward_fn(spec):
-    """In the reward process: (the function spec names, None), or (None, the one sentence that says why not)."""
+    """In the reward process: (the function spec names, None), or (None, why not: start puts the --reward_fn first)."""
     where, _, name = spec.rpartition(":")
     try:
         if where.endswith(".py"):
@@ -1501,18 +1465,18 @@ def resolve_reward_fn(spec):
             module = pkgutil.resolve_name(where)
     except BaseException as e:  # sys.exit() at import too
         return None, (
-            f"--reward_fn {spec}: '{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the "
-            "module's name and that it is importable from here."
+            f"'{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the module's name and that it "
+            "is importable from here."
         )
     fn = getattr(module, name, None)
     if not callable(fn):
-        return None, f"--reward_fn {spec}: '{where}' has no function '{name}'; name one it defines."
+        return None, f"'{where}' has no function '{name}'; name one it defines."
     try:
         inspect.signature(fn).bind(["a response"], ["its answer"])
     except TypeError:
         return None, (
-            f"--reward_fn {spec}: {name}{inspect.signature(fn)} cannot be called as {name}(responses, answers); it "
-            "must take the response texts and their answers and return a score each."
+            f"{name}{inspect.signature(fn)} cannot be called as {name}(responses, answers); it must take the "
+            "response texts and their answers and return a score each."
         )
     except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
         pass
@@ -1531,18 +1495,13 @@ def reward_reply(fn, texts, answers):
         return "raised", f"{type(e).__name__}: {e}"
 
 
-def end_with_the_trainer(fd):
-    """In the reward process, before any reward code: a forked watcher that kills the process group once the
-    trainer's end of stdin closes (it ended, however). A thread would make every later fork (a pool) a risk."""
-    if os.fork() == 0:
+def serve_rewards(fd):
+    """The reward process: loads the function, says whether it could, then answers each (texts, answers) sent. It
+    ends with the trainer, however that ends: its watcher kills the process group once the trainer's stdin closes."""
+    if os.fork() == 0:  # the watcher, before any reward code: a thread would make every later fork (a pool) a risk
         os.close(fd)  # the trainer's connection: its end is seen to close when the reward process ends
         os.read(0, 1)
         os.killpg(0, signal.SIGKILL)
-
-
-def serve_rewards(fd):
-    """The reward process: loads the function, says whether it could, then answers each (texts, answers) sent."""
-    end_with_the_trainer(fd)
     connection = multiprocessing.connection.Connection(fd)
     search_path, spec = connection.recv()
     sys.path[:] = search_path  # the trainer's: its modules found as they would be there
@@ -1559,20 +1518,6 @@ def serve_rewards(fd):
         connection.send(reward_reply(fn, texts, answers))
 
 
-def first_rule_failure(score, failures, several):
-    """Why the first response whose score (B,) failed did: the first rule of failures (--reward_fn, its scores, why)
-    that failed on it, named when there are several rules; None when none did (a reward model's score)."""
-    bad = (~torch.isfinite(score)).nonzero()
-    if len(bad) == 0:
-        return None
-    for spec, scores, reason in failures:
-        if not math.isfinite(scores[bad[0, 0]]):
-            if several:
-                return f"{reason} (--reward_fn {spec})"
-            return reason
-    return None
-
-
 def reward_call(reward_fn, texts, answers, timeout, stops):
     """reward_reply's answer: a built-in rule's from here, yours from its RewardProcess."""
     if isinstance(reward_fn, RewardProcess):
@@ -1582,19 +1527,42 @@ def reward_call(reward_fn, texts, answers, timeout, stops):
 
 def call_reward_fn(reward_fn, texts, answers, timeout, stops=None):
     """A rule's scores, nan where it gave none, and why it failed (None when nothing did). When the batch's call
-    raises, each response is scored alone, so that the error is pinned on one."""
-    failed = [float("nan")] * len(texts)
+    raises, each response is scored alone until a timeout or a stop, so that the error is pinned on one."""
     kind, got = reward_call(reward_fn, texts, answers, timeout, stops)
+    if kind != "raised":
+        return checked_scores(kind, got, len(texts), "the batch's call")
+    scores = [float("nan")] * len(texts)
+    first = None  # why the first response that failed alone did
+    for i in range(len(texts)):
+        kind, alone = reward_call(reward_fn, texts[i : i + 1], answers[i : i + 1], timeout, stops)
+        score, why = checked_scores(kind, alone, 1, "its call alone")
+        scores[i] = score[0]
+        if first is None:
+            first = why
+        if kind in ("timeout", "stopped"):  # the rest could hang as long; a stop ends the call
+            break
+    if first is not None:
+        return scores, first
+    why = (
+        f"nan: the batch's call raised ({got}) but no single response's did; make the reward score a batch as it "
+        "scores each response"
+    )
+    return [float("nan")] * len(texts), why
+
+
+def checked_scores(kind, got, n, call):
+    """reward_call's answer for n responses as (a score each, nan where none) and why it failed (None: nothing)."""
+    failed = [float("nan")] * n
     if kind == "stopped":
         return failed, "stopped by a signal"
-    if kind == "timeout":  # each response alone could hang as long
+    if kind == "timeout":
         return failed, f"an error (TimeoutError: {got})"
     if kind == "raised":
-        return score_each_alone(reward_fn, texts, answers, timeout, got, stops)
+        return failed, f"an error ({got})"
     if kind == "returned":  # one float per response, nothing else
-        return failed, f"nan: the batch's call returned a {got} for {len(texts)} responses"
-    if len(got) != len(texts):
-        return failed, f"nan: the batch's call returned {len(got)} scores for {len(texts)} responses"
+        return failed, f"nan: {call} returned a {got} for {n} responses"
+    if len(got) != n:
+        return failed, f"nan: {call} returned {len(got)} scores for {n} responses"
     if None in got:  # TRL's "does not apply" is not taken: every response needs a score
         scores = [float("nan") if x is None else x for x in got]
         return scores, "None (TRL's 'does not apply' is not taken here: return a float for every response)"
@@ -1604,34 +1572,6 @@ def call_reward_fn(reward_fn, texts, answers, timeout, stops=None):
     if not all(math.isfinite(x) for x in got):
         return got, "not a finite number"
     return got, None
-
-
-def score_each_alone(reward_fn, texts, answers, timeout, batch_error, stops):
-    """call_reward_fn's answer when the batch's call raised: each response alone, until a timeout or a stop."""
-    scores = [float("nan")] * len(texts)
-    errors = []
-    for i, (text, answer) in enumerate(zip(texts, answers)):
-        kind, got = reward_call(reward_fn, [text], [answer], timeout, stops)
-        if kind == "scores" and len(got) == 1 and got[0] is not None:
-            scores[i] = got[0]
-        elif kind == "raised":
-            errors.append(f"an error ({got})")
-        elif kind == "timeout":
-            errors.append(f"an error (TimeoutError: {got})")
-            break
-        elif kind == "stopped":
-            return scores, "stopped by a signal"
-        elif kind == "returned":
-            errors.append(f"nan: its call alone returned a {got}")
-        else:
-            errors.append(f"nan: its call alone returned {got}")
-    if errors:
-        return scores, errors[0]
-    reason = (
-        f"nan: the batch's call raised ({batch_error}) but no single response's did; make the reward score a batch "
-        "as it scores each response"
-    )
-    return [float("nan")] * len(texts), reason
 
 
 def reward_model_inputs(own_tokenizer, prompts, texts, device):
@@ -1675,9 +1615,8 @@ def evaluate(policy, scorer, sampling, held_out, args, stops):
             input_ids = torch.cat([prompt_ids, responses], 1)
             attention_mask = torch.cat([prompt_mask, response_mask], 1)
             P = prompt_ids.shape[1]
-            scores.append(
-                score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops).raw
-            )
+            batch_rows = [rows[i] for i in idx]
+            scores.append(score_responses(scorer, input_ids, attention_mask, P, batch_rows, args, stops).raw)
         result[name] = global_mean(torch.cat(scores), counted)
     failed = any(isinstance(r, str) for r in stops)  # a failed reward (a stop's unanswered call is nan too)
     if failed or not all(map(math.isfinite, result.values())):
@@ -1733,31 +1672,16 @@ def check_common_args(args, responses_per_iteration):
     require(args, ("lora_dropout",), "must lie in [0, 1)", lambda v: 0 <= v < 1)
     if args.save_adapters_only and not args.lora_r:
         raise SystemExit("--save_adapters_only needs adapters: pass --lora_r (the LoRA rank, e.g. 16) too.")
-    require(
-        args,
-        ("rollout_batch_size", "minibatch_size"),
-        f"must be a multiple of the {args.world_size} processes (each samples whole groups of prompts)",
-        lambda v: v % args.world_size == 0,
-    )
-    require(
-        args,
-        ("minibatch_size",),
-        f"must divide the {responses_per_iteration} responses per iteration",
-        lambda v: responses_per_iteration % v == 0,
-    )
+    shared = f"must be a multiple of the {args.world_size} processes (each samples whole groups of prompts)"
+    require(args, ("rollout_batch_size", "minibatch_size"), shared, lambda v: v % args.world_size == 0)
+    divides = f"must divide the {responses_per_iteration} responses per iteration"
+    require(args, ("minibatch_size",), divides, lambda v: responses_per_iteration % v == 0)
     local_minibatch = args.minibatch_size // args.world_size
-    require(
-        args,
-        ("micro_batch_size",),
-        f"must divide the per-process minibatch of {local_minibatch}, or be at least it (one micro-batch)",
-        lambda v: v >= local_minibatch or local_minibatch % v == 0,  # at least: the defaults hold under torchrun
-    )
-    require(
-        args,
-        ("total_episodes",),
-        f"must be at least one rollout ({responses_per_iteration} responses)",
-        lambda v: v >= responses_per_iteration,
-    )
+    # or at least it: the defaults hold under torchrun
+    divides = f"must divide the per-process minibatch of {local_minibatch}, or be at least it (one micro-batch)"
+    require(args, ("micro_batch_size",), divides, lambda v: v >= local_minibatch or local_minibatch % v == 0)
+    one_rollout = f"must be at least one rollout ({responses_per_iteration} responses)"
+    require(args, ("total_episodes",), one_rollout, lambda v: v >= responses_per_iteration)
     if not args.reward_model_path and not args.reward_fn:
         raise SystemExit("no reward: pass --reward_model_path, --reward_fn, or both.")
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
@@ -1769,21 +1693,13 @@ def check_common_args(args, responses_per_iteration):
         raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
     config = check_model_path(args.model_name_or_path, "causal LM", "--model_name_or_path")
     positions = getattr(config, "max_position_embeddings", None) or float("inf")
-    require(
-        args,
-        ("response_length",),
-        f"plus --max_prompt_length must fit the policy's {positions} positions",
-        lambda v: v + args.max_prompt_length <= positions,
-    )
-    if args.lora_r and args.lora_target_modules != ("all-linear",):  # matched as peft does, on a weightless model
-        with torch.device("meta"):
-            names = [name for name, _ in AutoModelForCausalLM.from_config(config).named_modules()]
-        require(
-            args,
-            ("lora_target_modules",),
-            "must each end the name of a module of the policy, or be all-linear",
-            lambda v: all(any(n == t or n.endswith("." + t) for n in names) for t in v),
-        )
+    fit = f"plus --max_prompt_length must fit the policy's {positions} positions"
+    require(args, ("response_length",), fit, lambda v: v + args.max_prompt_length <= positions)
+    if args.lora_r and args.lora_target_modules != ("all-linear",):  # peft skips a name it lacks if another is found
+        with torch.device("meta"):  # matched as peft does (a whole name or its end), on a weightless model
+            names = ["." + name for name, _ in AutoModelForCausalLM.from_config(config).named_modules()]
+        rule = "must each end the name of a module of the policy, or be all-linear"
+        require(args, ("lora_target_modules",), rule, lambda v: all(any(n.endswith("." + t) for n in names) for t in v))
     for path in args.reward_model_path:
         check_model_path(path, "sequence classifier", "--reward_model_path")
     existing = os.path.abspath(args.output_dir)

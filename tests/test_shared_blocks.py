@@ -59,7 +59,7 @@ MAX_LINE = 120
 # algorithm). Ceilings, never targets. PLUMBING_LINES is what the plumbing needs now, above the 1,300 asked: the
 # note of the change that set it says what it holds and where the next cut is.
 BANNER_BY = {"ppo.py": 850, "grpo.py": 800, "rloo.py": 800, "dapo.py": 800}
-LOOP_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 700, 250, 1768, 3
+LOOP_BY, MAIN_LINES, PLUMBING_LINES, DOC_LINES = 700, 250, 1684, 3
 DIFF_LINES = {("ppo.py", "grpo.py"): 500, ("grpo.py", "rloo.py"): 200, ("grpo.py", "dapo.py"): 250}
 MARK = re.compile(r"^\s*# (>>>|<<<) shared: (.+?)\s*$")
 
