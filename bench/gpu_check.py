@@ -36,7 +36,7 @@ image are listed, with the command that fetches them, in bench/gpu_check_wheels.
 With --device cpu every row runs on tiny shapes (the 0.5B shape becomes memory_accounting.py's small one, 2 layers
 of width 64; --decode auto is the plain loop there, as CUDA graphs need CUDA, and bench_generate.py runs
 rlhf_kernels' step op by op; torchrun uses gloo): it checks that each step of the script runs, not any number.
-tests/test_gpu_check.py runs parts of it, a row cut by its cap, no `git`, and a check killed in the middle. Exit
+tests/test_bench.py runs parts of it, a row cut by its cap, no `git`, and a check killed in the middle. Exit
 status: 1 when a row failed, 2 when the check was stopped (SIGTERM, as gpu_check.sh's `timeout` sends), else 0.
 """
 

@@ -1,16 +1,39 @@
-"""Running an algorithm file the way a user does: a subprocess, offline, with transformers' own hub-kernel default;
-and the check that rlhf_kernels' static decode loop samples what generate's plain loop samples."""
+"""What the test files share: running a script the way a user does (a subprocess, offline, with transformers' own
+hub-kernel default) or in this process, stopping and resuming it, comparing runs; the tiny models of every family; and
+the check that rlhf_kernels' static decode loop samples what generate's plain loop samples."""
 
+import contextlib
+import io
 import json
+import math
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
+import warnings
 
 import torch
-from transformers import LlamaConfig
+import tyro
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GemmaConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
+import grpo
 import ppo
+import rloo
 from rlhf_kernels import decode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,7 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ENV = {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}  # transformers' default must not matter
 ENV.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled")
+ALONE = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}  # nothing of the repository on the path
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]  # gloo on the CPU
+MODULES = {"ppo.py": ppo, "grpo.py": grpo, "rloo.py": rloo}
 
 # The sizes of a tiny run: 8 responses an iteration (ppo.py: 8 prompts; grpo.py and rloo.py: 2 prompts x 4 responses)
 # in one minibatch and one micro-batch, so one optimiser step an iteration. --total_episodes is each test's own (16:
@@ -32,23 +57,6 @@ TINY_SIZES = {
 }
 # grpo.py's and rloo.py's groups of 8: 4 prompts x 8 responses an iteration, in two minibatches of two micro-batches
 GROUPS_OF_EIGHT = ["--rollout_batch_size=4", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=8"]
-
-
-def tiny_llama_config(**changes):
-    """The tests' tiny random Llama: 40 tokens, 2 layers of width 32, 4 heads over 2 key-value heads, pad 0, EOS 1 and
-    no BOS, with the test's own changes (a vocabulary, a label count, ...)."""
-    sizes = dict(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    return LlamaConfig(**{**sizes, **changes})
 
 
 def set_up(module, args):
@@ -70,14 +78,46 @@ def tiny_run(script, **changes):
     return options(**{**TINY_SIZES[script], **changes})
 
 
+# ---------------------------------------------------------------- running a script
+
+
+def read_rows(out):
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
 def run_script(script, out, *args):
     """Run `python script --output_dir out args...` from the repository root; return the rows of its
     metrics.jsonl and everything it printed. Fails the test, with the end of stderr, if the run fails."""
     cmd = [sys.executable, os.path.join(ROOT, script), "--output_dir", str(out), *args]
     result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return rows, result.stdout + result.stderr
+    return read_rows(out), result.stdout + result.stderr
+
+
+def run_main(script, out, *args):
+    """run_script's run in this process: the script's main on the options as its command line parses them, from the
+    repository root, its output captured (warnings too) and pytest's signal handlers given back. The same rows,
+    bitwise, without a fresh interpreter's seconds of imports; for tests of what a run computes, not of how a
+    process starts or ends (a failure is the SystemExit main raises)."""
+    module = MODULES.get(script) or __import__(script[:-3])
+    args = tyro.cli(module.Args, args=["--output_dir", str(out), *args], use_underscores=True)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    printed = io.StringIO()
+    try:
+        with contextlib.chdir(ROOT), warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                module.main(args)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    said = "".join(f"{w.category.__name__}: {w.message}\n" for w in warned)
+    return read_rows(out), printed.getvalue() + said
 
 
 def torchrun(script, out, *args, processes=2):
@@ -87,10 +127,267 @@ def torchrun(script, out, *args, processes=2):
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
+def script_command(script, out, args, head=(sys.executable,)):
+    """head (python, or torchrun, then any prelude file), the script, --output_dir out and args."""
+    return [*head, os.path.join(ROOT, script), "--output_dir", str(out), *args]
+
+
+def launch(script, out, args, prelude=None, runner=(sys.executable,)):
+    """The script in a subprocess under runner (python, or torchrun), optionally under a prelude file that patches
+    something first."""
+    head = [*runner, prelude] if prelude else runner
+    cmd = script_command(script, out, args, head)
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(cmd, env=ENV, timeout=240, **kw):
+    """cmd run to its end from the repository root, its output captured as text."""
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def wait_for(condition, proc, timeout=240):
+    start = time.time()
+    while not condition():
+        assert proc.poll() is None, f"the run ended before it could be stopped:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() - start < timeout
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- tiny runs stopped, broken and resumed
+
+# Six iterations each, in seconds on two cores: grpo.py and rloo.py at the tiny run's sizes (TINY_SIZES), ppo.py in two
+# epochs of two minibatches, evaluating on a small held-out set (its own generator must not disturb the run's; its
+# path is set by conftest.py's small_held_out_set).
+TINY = {
+    "ppo.py": dict(
+        total_episodes=48,
+        rollout_batch_size=8,
+        minibatch_size=4,
+        micro_batch_size=4,
+        num_epochs=2,
+        response_length=8,
+        eval_every=3,
+    ),
+    "grpo.py": dict(TINY_SIZES["grpo.py"], total_episodes=48, response_length=8, eval_every=0),
+    "rloo.py": dict(TINY_SIZES["rloo.py"], total_episodes=48, response_length=8, eval_every=0),
+    "dapo.py": dict(TINY_SIZES["dapo.py"], total_episodes=48, response_length=8, eval_every=0),
+}
+# The arithmetic task scored by its rule alone, no held-out set, a checkpoint every three iterations.
+ARITHMETIC_TRAIN = f"--dataset={os.path.join(ROOT, 'assets', 'arithmetic', 'train.jsonl')}"
+ARITHMETIC = [ARITHMETIC_TRAIN, "--reward_fn", "arithmetic", "--reward_model_path", "--eval_every=0", "--save_every=3"]
+
+
+def cli(script, **extra):
+    return options(**{**TINY[script], **extra})
+
+
+def args_for(script, out, **kw):
+    """The script's Args of a tiny run in one optimiser step per iteration, on the embedded models, into out."""
+    paths = dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft"))
+    if script != "grpo.py":  # grpo's default is the arithmetic rule; the others use the reward model
+        paths.update(
+            reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
+            dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"),
+        )
+    else:
+        paths.update(dataset=os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"))
+    # one optimiser step per iteration: the whole rollout is one minibatch and one micro-batch
+    one_step = dict(
+        minibatch_size=8, micro_batch_size=8, num_epochs=1, rollout_batch_size=8 if script == "ppo.py" else 2
+    )
+    return MODULES[script].Args(**{**TINY[script], **one_step, "eval_every": 0, **paths, "output_dir": str(out), **kw})
+
+
+def checkpointed(checkpoint):
+    """A checkpoint's trained models and optimiser states, {name: {"model": ..., "optimizer": ...}}, read into one
+    process."""
+    flat = str(checkpoint) + ".pt"
+    dcp_to_torch_save(checkpoint, flat)
+    return torch.load(flat)
+
+
+def final_state(out, iteration=6):
+    """The saved policy and the last checkpoint's models and optimiser states."""
+    return load_file(os.path.join(out, "model.safetensors")), checkpointed(os.path.join(out, f"checkpoint-{iteration}"))
+
+
+def assert_bitwise_equal(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_bitwise_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_bitwise_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def failing_reward(tmp_path, from_batch, rank):
+    """A prelude that runs a script with its arithmetic reward behind a grading service that goes away at the given
+    rollout (counting batches), on the given process; the script's own reward is the function fixed."""
+    prelude = tmp_path / "failing_reward.py"
+    prelude.write_text(f"""import os
+import runpy
+import sys
+
+sys.argv = sys.argv[1:]
+sys.path.insert(0, {ROOT!r})
+script = runpy.run_path(sys.argv[0], run_name="script")  # its functions; main not run yet
+arithmetic = script["REWARD_FNS"]["arithmetic"]
+batches = []
+def grading_service(texts, answers):
+    batches.append(len(texts) > 1)
+    if os.environ.get("RANK", "0") == {str(rank)!r} and sum(batches) >= {from_batch}:
+        raise ConnectionError("the grading service went away")
+    return arithmetic(texts, answers)
+script["REWARD_FNS"]["arithmetic"] = grading_service
+script["main"](script["tyro"].cli(script["Args"], use_underscores=True))
+""")
+    return str(prelude)
+
+
+def resume_as_printed(printed, checkpoint):
+    """The command a stopped run printed, which must resume the given checkpoint, run as printed."""
+    command = printed.split("to go on:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"--resume {checkpoint}"), command
+    result = finished([sys.executable, *shlex.split(command)[1:]])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- two processes against one
+
+# Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
+# batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
+GROUPS = ["--rollout_batch_size=4", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=4"]
+ARGS = {
+    "ppo.py": ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=2", "--total_episodes=48"],
+    "grpo.py": [*GROUPS, "--total_episodes=96"],
+    "rloo.py": [*GROUPS, "--total_episodes=96"],
+    "dapo.py": [*GROUPS, "--total_episodes=96"],  # tests/test_dapo.py runs it on two processes
+}
+
+
+def common(script, held_out):
+    """The options of a run compared on two processes and one: ARGS, two epochs, a checkpoint and an evaluation of
+    conftest.py's held_out prompts every iteration."""
+    task = "arithmetic" if script in ("grpo.py", "dapo.py") else "reviews"
+    evaluation = ["--eval_every=1", "--eval_batch_size=4", f"--eval_dataset={held_out[task]}"]
+    return [*ARGS[script], "--num_epochs=2", "--response_length=8", "--save_every=1", *evaluation]
+
+
+def run_torchrun(script, out, *args):
+    """Like run_script, on two processes: returns the rows of the run's metrics.jsonl."""
+    result = torchrun(script, out, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_rows(out)
+
+
+def compared(rows):
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "policy/first_ratio_dev"}
+        for r in rows
+    ]
+
+
+LOGPROB_DIFFERENCES = {
+    "objective/kl",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "policy/kl_term",
+    "policy/approx_kl",
+}
+
+
+def assert_rows_agree(got, expected):
+    """Two processes' rows against one's (tests/test_distributed.py says why these tolerances)."""
+    assert len(got) == len(expected) == 4  # the held-out row 0 and three iterations
+    for a, b in zip(compared(got), compared(expected)):
+        assert a.keys() == b.keys()
+        logprob_scale = b.get("response/length", 0) * b.get("policy/entropy", 0)  # nats of log-prob per response
+        for k in a:
+            floor = max(1e-6, 1e-5 * logprob_scale) if k in LOGPROB_DIFFERENCES else 1e-6
+            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=floor), (
+                f"iteration {a['iteration']} {k}: {a[k]} on two processes, {b[k]} on one"
+            )
+
+
+def assert_same_model(got, expected):
+    a = AutoModelForCausalLM.from_pretrained(str(got)).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(str(expected)).state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+# ---------------------------------------------------------------- the tiny models
+
+# The sizes of every tiny random model of the tests: 2 layers of width 32, 4 heads over 2 key-value heads, 128
+# positions.
+TINY_DECODER = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+def tiny_llama_config(**changes):
+    """The tests' tiny random Llama: TINY_DECODER's sizes, 40 tokens, pad 0, EOS 1 and no BOS, with the test's own
+    changes (a vocabulary, a label count, ...)."""
+    tokens = dict(vocab_size=40, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    return LlamaConfig(**{**TINY_DECODER, **tokens, **changes})
+
+
+# The model-family matrix: a tiny random model of each architecture a user is likely to bring, with the embedded
+# tokenizer's vocabulary and special tokens (it has no BOS; its EOS is 0). The embedded default is one Llama; every
+# other family reaches the scripts only through transformers' Auto classes (tests/test_models.py says where they
+# differ).
+TOKENIZER = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
+PAD = TOKENIZER.pad_token_id
+EOS = TOKENIZER.eos_token_id
+TOKENS = dict(vocab_size=len(TOKENIZER), bos_token_id=TOKENIZER.bos_token_id, eos_token_id=EOS, pad_token_id=PAD)
+FAMILIES = {
+    "llama": lambda **kw: tiny_llama_config(**TOKENS, **kw),
+    "qwen2": lambda **kw: Qwen2Config(**TINY_DECODER, **TOKENS, **kw),
+    "qwen3": lambda **kw: Qwen3Config(**TINY_DECODER, head_dim=8, **TOKENS, **kw),
+    "gpt_neox": lambda **kw: GPTNeoXConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        **TOKENS,
+        **kw,
+    ),
+    "gpt2": lambda **kw: GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128, **TOKENS, **kw),
+    "gemma": lambda **kw: GemmaConfig(**TINY_DECODER, head_dim=8, **TOKENS, **kw),
+    "qwen3_moe": lambda **kw: Qwen3MoeConfig(
+        **TINY_DECODER, head_dim=8, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **TOKENS, **kw
+    ),
+}
+
+
+def left_padded_prompts(lengths, vocab, seed, pad=0):
+    """Random prompts of the given lengths (ids from 2 up), left-padded: ppo.left_pad's (ids, mask)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+    return ppo.left_pad(prompts, pad, "cpu")
+
+
+# ---------------------------------------------------------------- the documents and the decode loops
+
+
 def readme_files(folder, documents=None):
     """The files the documents show (their ```python blocks that open with `# name.py`), written into folder:
     {name: path}. documents: paths from the repository root; by default README.md, docs/*.md and bench/README.md,
-    the documents tests/test_readme_commands.py parses."""
+    the documents tests/test_commands.py parses."""
     if documents is None:
         docs = sorted(f"docs/{name}" for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md"))
         documents = ["README.md", *docs, "bench/README.md"]

@@ -7,18 +7,21 @@ bitwise, and two processes computing what one computes."""
 import math
 
 import pytest
-import test_robustness
 import torch
-from helpers import run_script
-from test_distributed import assert_rows_agree, assert_same_model, common, run_torchrun
-from test_distributed import held_out as held_out  # noqa: F401 (the fixture, found by its name)
-from test_real_use import ARITHMETIC, resume_as_printed
-from test_robustness import (  # noqa: F401 (small_held_out_set: test_robustness's autouse fixture)
+from helpers import (
+    ARITHMETIC,
     assert_bitwise_equal,
+    assert_rows_agree,
+    assert_same_model,
+    cli,
+    common,
+    failing_reward,
     final_state,
     launch,
     read_rows,
-    small_held_out_set,
+    resume_as_printed,
+    run_script,
+    run_torchrun,
     without_timing,
 )
 
@@ -201,7 +204,7 @@ def test_a_stop_in_a_later_sampling_round_resumes_bitwise(tmp_path):
     then fails in the second round of an iteration: the run stops with the checkpoint before that iteration, and
     resumed it is the run whose reward never failed, to its Adam states."""
     script = "dapo.py"
-    args = [*test_robustness.cli(script), *ARITHMETIC, *DYNAMIC]
+    args = [*cli(script), *ARITHMETIC, *DYNAMIC]
     full, _ = run_script(script, tmp_path / "full", *args)
     rounds = rounds_of(full)
     assert len(rounds) == 6
@@ -214,7 +217,7 @@ def test_a_stop_in_a_later_sampling_round_resumes_bitwise(tmp_path):
     later = next(i for i, n in enumerate(rounds) if n > 1 and i > 0)
     batch = sum(rounds[:later]) + 2  # counting rollouts from 1
     out = tmp_path / "run"
-    proc = launch(script, out, args, prelude=test_robustness.failing_reward(tmp_path, batch, rank=0))
+    proc = launch(script, out, args, prelude=failing_reward(tmp_path, batch, rank=0))
     printed = proc.communicate(timeout=240)[0]
     assert proc.returncode == 1, printed[-3000:]
     assert f"stopped after iteration {later}; to go on:" in printed, printed[-3000:]
@@ -223,7 +226,7 @@ def test_a_stop_in_a_later_sampling_round_resumes_bitwise(tmp_path):
     assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
 
 
-def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):  # noqa: F811
+def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):
     """dapo.py (clip-higher, token mean, dynamic sampling, the overlong punishment) with dual clip, on two processes
     and on one: the same rounds, groups and metrics (within 1e-5), and the same weights. Each process draws its slice
     of every round; the kept groups are chosen from all of them and dealt out again."""

@@ -1,5 +1,7 @@
 """torchrun with FSDP2 (gloo, CPU): for each script, two processes compute what one process computes, with half the
-model state each, and a run goes on from a checkpoint on another number of processes.
+model state each, and a run goes on from a checkpoint on another number of processes; the defaults run
+under torchrun; a stop, a failing or hung reward on one process stops every process together, saves and says so
+once; the collectives wait longer than a reward may.
 
 Why two processes agree with one:
 - every random draw of an iteration comes from one generator seeded by (seed, iteration) and drawn in full on every
@@ -18,48 +20,43 @@ response) that float32 holds to about 1e-7 of their size: they are compared to 1
 Not compared: time/*, memory/* (it is what must differ) and policy/first_ratio_dev (the first micro-batch of rank 0,
 which is another micro-batch than the single process's first)."""
 
+import datetime
 import json
-import math
 import os
+import shlex
+import shutil
+import signal
+import time
 
 import pytest
-import torch
-from helpers import ROOT, run_script, torchrun
-from transformers import AutoConfig, AutoModelForCausalLM
+from helpers import (
+    ARITHMETIC_TRAIN,
+    MODULES,
+    ROOT,
+    TORCHRUN,
+    assert_bitwise_equal,
+    assert_rows_agree,
+    assert_same_model,
+    cli,
+    common,
+    failing_reward,
+    final_state,
+    finished,
+    launch,
+    read_rows,
+    run_script,
+    run_torchrun,
+    script_command,
+    torchrun,
+    wait_for,
+    without_timing,
+)
+from transformers import AutoConfig
 
-# Three iterations each; several minibatches and micro-batches per process, and a held-out set of 15 prompts in
-# batches of 4 (the second process's share of 8 is topped up with an uncounted copy).
-GROUPS = ["--rollout_batch_size=4", "--num_generations=8", "--minibatch_size=16", "--micro_batch_size=4"]
-ARGS = {
-    "ppo.py": ["--rollout_batch_size=16", "--minibatch_size=8", "--micro_batch_size=2", "--total_episodes=48"],
-    "grpo.py": [*GROUPS, "--total_episodes=96"],
-    "rloo.py": [*GROUPS, "--total_episodes=96"],
-    "dapo.py": [*GROUPS, "--total_episodes=96"],  # tests/test_dapo.py runs it on two processes
-}
+import grpo
+import ppo
+
 SCRIPTS = ["ppo.py", "grpo.py", "rloo.py"]
-
-
-@pytest.fixture(scope="module")
-def held_out(tmp_path_factory):
-    runs = {}
-    for task in ("reviews", "arithmetic"):
-        path = tmp_path_factory.mktemp("held_out") / "test.jsonl"
-        path.write_text("".join(open(os.path.join(ROOT, "assets", task, "test.jsonl")).readlines()[:15]))
-        runs[task] = str(path)
-    return runs
-
-
-def common(script, held_out):
-    task = "arithmetic" if script in ("grpo.py", "dapo.py") else "reviews"
-    evaluation = ["--eval_every=1", "--eval_batch_size=4", f"--eval_dataset={held_out[task]}"]
-    return [*ARGS[script], "--num_epochs=2", "--response_length=8", "--save_every=1", *evaluation]
-
-
-def run_torchrun(script, out, *args):
-    """Like run_script, on two processes: returns the rows of the run's metrics.jsonl."""
-    result = torchrun(script, out, *args)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_rows(out)
 
 
 @pytest.fixture(scope="module")
@@ -76,46 +73,6 @@ def runs(tmp_path_factory, held_out):
         return done[script]
 
     return get
-
-
-def read_rows(out):
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-
-
-def compared(rows):
-    return [
-        {k: v for k, v in r.items() if not k.startswith(("time/", "memory/")) and k != "policy/first_ratio_dev"}
-        for r in rows
-    ]
-
-
-LOGPROB_DIFFERENCES = {
-    "objective/kl",
-    "objective/non_score_reward",
-    "objective/rlhf_reward",
-    "policy/kl_term",
-    "policy/approx_kl",
-}
-
-
-def assert_rows_agree(got, expected):
-    assert len(got) == len(expected) == 4  # the held-out row 0 and three iterations
-    for a, b in zip(compared(got), compared(expected)):
-        assert a.keys() == b.keys()
-        logprob_scale = b.get("response/length", 0) * b.get("policy/entropy", 0)  # nats of log-prob per response
-        for k in a:
-            floor = max(1e-6, 1e-5 * logprob_scale) if k in LOGPROB_DIFFERENCES else 1e-6
-            assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=floor), (
-                f"iteration {a['iteration']} {k}: {a[k]} on two processes, {b[k]} on one"
-            )
-
-
-def assert_same_model(got, expected):
-    a = AutoModelForCausalLM.from_pretrained(str(got)).state_dict()
-    b = AutoModelForCausalLM.from_pretrained(str(expected)).state_dict()
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -185,3 +142,214 @@ def test_a_run_goes_on_from_a_checkpoint_on_another_number_of_processes(runs, he
     rows, _ = run_script("rloo.py", out, *common("rloo.py", held_out), f"--resume={two / 'checkpoint-2'}")
     assert_rows_agree(rows, rows_one)
     assert_same_model(out, one)
+
+
+# ---------------------------------------------------------------- torchrun with the defaults
+
+
+@pytest.mark.parametrize("script", list(MODULES))
+def test_the_defaults_run_under_torchrun_on_two_processes(script, tmp_path):
+    per_rollout = {"ppo.py": 64, "grpo.py": 256, "rloo.py": 64}[script]
+    done = torchrun(script, tmp_path, f"--total_episodes={per_rollout}", "--eval_every=0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["iteration"] for r in rows] == [1]
+    # the default --micro_batch_size, above the per-process minibatch, is one micro-batch: kept as given, not rewritten
+    assert json.load(open(tmp_path / "args.json"))["micro_batch_size"] == MODULES[script].Args().micro_batch_size
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4, 8])
+@pytest.mark.parametrize("script", list(MODULES))
+def test_the_defaults_pass_the_checks_on_1_to_8_processes(script, processes, tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # a process other than rank 0 says nothing
+    args = MODULES[script].Args(output_dir=str(tmp_path / "run"), world_size=processes)
+    MODULES[script].validate(args)  # a micro-batch past the per-process minibatch is one micro-batch
+    assert args.micro_batch_size == MODULES[script].Args.micro_batch_size  # as given: never rewritten
+
+
+def test_a_stopping_message_under_torchrun_is_printed_once_on_its_own_line(tmp_path):
+    done = torchrun("ppo.py", tmp_path / "run", "--temperature=0")
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if "--temperature must be positive" in line]
+    assert lines == ["--temperature must be positive (got 0.0)."]
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- stops, failures and hangs on one process of two
+
+
+# the files of a checkpoint saved by two processes, each writing its own shard
+# the files of a checkpoint saved by two processes, each writing its own shard
+TWO_PROCESS_CHECKPOINT = [
+    ".metadata",
+    "__0_0.distcp",
+    "__1_0.distcp",
+    "args.json",
+    "manifest.json",
+    "metrics.jsonl",
+    "state.json",
+]
+
+
+def test_a_stopped_and_resumed_torchrun_run_is_the_same_run(tmp_path):
+    """Two processes (gloo, FSDP2): each writes its own shards of the models and optimiser states; torchrun passes
+    SIGTERM on to both, and the command they print resumes the run."""
+    args = cli("rloo.py", save_every=3, micro_batch_size=4)  # 4 responses per process
+    full = finished(script_command("rloo.py", tmp_path / "full", args, TORCHRUN), timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    out = tmp_path / "run"
+    proc = launch("rloo.py", out, args, runner=TORCHRUN)
+    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(open(out / "metrics.jsonl").readlines()) >= 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode != 0, printed[-3000:]
+    assert not os.path.exists(out / "model.safetensors"), printed[-3000:]
+    argv = shlex.split(printed.split("to go on:\n")[1].splitlines()[0])
+    assert argv[:2] == ["torchrun", "--nproc_per_node=2"]
+    checkpoint = argv[argv.index("--resume") + 1]
+    assert sorted(os.listdir(checkpoint)) == TWO_PROCESS_CHECKPOINT
+    result = finished([*TORCHRUN, *argv[2:]], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert without_timing(read_rows(out)) == without_timing(read_rows(tmp_path / "full"))
+    assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
+
+
+def test_a_reward_that_fails_on_one_process_stops_them_all_together(tmp_path):
+    """Under torchrun the second process's reward fails at iteration 2: both save iteration 1's state, and the
+    failure is said once, by rank 0, with the command that goes on."""
+    out = tmp_path / "run"
+    head = [*TORCHRUN, failing_reward(tmp_path, 2, rank=1)]
+    result = finished(
+        script_command("grpo.py", out, cli("grpo.py", save_every=3, micro_batch_size=4), head), timeout=300
+    )
+    printed = result.stdout + result.stderr
+    assert result.returncode != 0, printed[-3000:]
+    assert printed.count("the grading service went away") == 1, printed[-3000:]
+    assert printed.count("stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 ") == 1
+    assert grpo.checkpoint_problem(str(out / "checkpoint-1")) is None
+    assert sorted(os.listdir(out / "checkpoint-1")) == TWO_PROCESS_CHECKPOINT
+    assert json.load(open(out / "checkpoint-1" / "state.json"))["iteration"] == 1
+
+
+def test_a_reward_file_that_fails_on_one_process_stops_both_and_says_why_once(tmp_path):
+    rule = tmp_path / "rule.py"
+    rule.write_text(
+        "import os\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    raise RuntimeError('no grader on this node')\n"
+        "def score(responses, answers):\n"
+        "    return [0.0] * len(responses)\n"
+    )
+    result = torchrun(
+        "grpo.py", tmp_path / "run", *cli("grpo.py"), "--reward_fn", f"{rule}:score", "--reward_model_path"
+    )
+    assert result.returncode != 0
+    said = f"--reward_fn {rule}:score: '{rule}' could not be loaded (RuntimeError: no grader on this node)"
+    assert result.stderr.count(said) == 1, result.stderr[-3000:]
+    assert "Connection closed by peer" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def hangs_on_rank_1(tmp_path):
+    """The options of grpo.py's tiny run on the arithmetic prompts, scored by a reward file whose rule (the arithmetic
+    one) hangs on rank 1 at its second call, after leaving a file named "hanging" in tmp_path."""
+    rule = tmp_path / "rule.py"
+    rule.write_text(
+        "import os\n"
+        "import time\n"
+        "calls = []\n"
+        "def score(responses, answers):\n"
+        "    calls.append(1)\n"
+        "    if os.environ['RANK'] == '1' and len(calls) == 2:\n"
+        f"        open({str(tmp_path / 'hanging')!r}, 'w').close()\n"
+        "        time.sleep(600)\n"
+        "    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]\n"
+    )
+    return [
+        *cli("grpo.py"),
+        ARITHMETIC_TRAIN,
+        "--reward_fn",
+        f"{rule}:score",
+        "--reward_model_path",
+        "--eval_every=0",
+    ]
+
+
+def test_a_reward_hung_on_one_process_stops_both_at_its_timeout(tmp_path):
+    """Under torchrun the grader hangs on rank 1 only, at its second call: rank 1's alarm makes it a reward failure,
+    and the stop reaches rank 0 too. Both save checkpoint-1 (the state before the hung rollout), and rank 0 names the
+    timeout and prints the torchrun command that goes on."""
+    hangs = hangs_on_rank_1(tmp_path)
+    out = tmp_path / "run"
+    start = time.time()
+    result = torchrun("grpo.py", out, *hangs, "--reward_timeout=3")
+    assert result.returncode != 0
+    assert time.time() - start < 300
+    assert "is an error (TimeoutError: no answer within --reward_timeout 3 s)" in result.stderr, result.stderr[-3000:]
+    assert "stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 " in result.stdout
+    assert os.listdir(out / "checkpoint-1")
+    assert not grpo.checkpoint_problem(str(out / "checkpoint-1"))
+
+
+def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp_path):
+    """SIGTERM to torchrun while rank 1's grader hangs: torchrun passes it to both processes, rank 1 leaves the hung
+    call when its alarm rings (within --reward_timeout), and the stop reaches rank 0: both save checkpoint-1, well
+    before torchrun's own 30 s grace would kill them."""
+    hangs = hangs_on_rank_1(tmp_path)
+    out = tmp_path / "run"
+    proc = launch("grpo.py", out, [*hangs, "--reward_timeout=5"], runner=TORCHRUN)
+    wait_for(lambda: os.path.exists(tmp_path / "hanging"), proc)
+    start = time.time()
+    proc.send_signal(signal.SIGTERM)
+    printed = proc.communicate(timeout=120)[0]
+    assert time.time() - start < 25, printed[-3000:]
+    assert "SIGTERM: stopping to save a checkpoint" in printed
+    assert "stopped after iteration 1" in printed
+    assert not grpo.checkpoint_problem(str(out / "checkpoint-1"))
+
+
+def test_the_collectives_wait_twice_the_reward_timeout_and_a_checkpoint(monkeypatch):
+    """Under torchrun the process group's timeout is 2 x --reward_timeout + CHECKPOINT_S (NCCL's default of 10
+    minutes is the default --reward_timeout itself), on gloo as on NCCL; with no reward timeout, a week."""
+    seen = []
+
+    def init_process_group(backend, timeout):
+        seen.append((backend, timeout))
+
+    monkeypatch.setattr(ppo.dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for reward_timeout in (600.0, 3.0, 0.0):
+        ppo.start_processes(ppo.Args(reward_timeout=reward_timeout))
+    assert ppo.CHECKPOINT_S >= 600
+    assert seen == [
+        ("gloo", datetime.timedelta(seconds=1200 + ppo.CHECKPOINT_S)),
+        ("gloo", datetime.timedelta(seconds=6 + ppo.CHECKPOINT_S)),
+        ("gloo", datetime.timedelta(days=7)),
+    ]
+
+
+def test_a_hung_rank_saves_on_both_within_the_collective_timeout(tmp_path):
+    """The rule with a checkpoint allowed 30 s (grpo.py copied with CHECKPOINT_S = 30): rank 1's grader hangs, rank 0
+    waits in the stop check's all_reduce for about --reward_timeout (3 s); the group's 36 s outlast that wait, both
+    processes save checkpoint-1 and the run ends with the command that goes on, not with gloo's timeout."""
+    project = tmp_path / "project"  # grpo.py beside the repository's assets and kernels
+    project.mkdir()
+    for name in ("assets", "rlhf_kernels"):
+        os.symlink(os.path.join(ROOT, name), project / name)
+    script = str(project / "grpo.py")
+    shutil.copy(os.path.join(ROOT, "grpo.py"), script)
+    text = open(script).read()
+    assert "\nCHECKPOINT_S = 1200 " in text
+    with open(script, "w") as f:
+        f.write(text.replace("\nCHECKPOINT_S = 1200 ", "\nCHECKPOINT_S = 30 "))
+    out = tmp_path / "run"
+    started = time.time()
+    result = torchrun(script, out, *hangs_on_rank_1(tmp_path), "--reward_timeout=3")
+    assert result.returncode != 0
+    assert "stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 " in result.stdout, result.stderr[
+        -3000:
+    ]
+    assert "no answer within --reward_timeout 3 s" in result.stderr
+    assert "Timed out" not in result.stderr
+    assert os.listdir(out / "checkpoint-1")
+    assert time.time() - started < 120

@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
-from helpers import GROUPS_OF_EIGHT, run_script
+from helpers import GROUPS_OF_EIGHT, ROOT, run_script
 from transformers import AutoModelForCausalLM
 
 import grpo
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import rloo
 
 
 def test_seed_worked_example():
@@ -50,6 +49,24 @@ def test_zero_signal_groups():
     scores = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
     assert grpo.zero_signal_groups(scores, 4).tolist() == [False, True, True]
     assert grpo.group_advantages(scores, 4, "group")[4:].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["group", "batch", "none"])
+@pytest.mark.parametrize("value", [0.1, 0.3, 1.3, 13.02])
+def test_an_all_equal_group_has_advantage_zero_in_every_mode_and_dtype(value, mode, dtype):
+    # one group of the value, one group with spread, one more equal group: the reference is exactly 0 on the equal ones
+    scores = torch.tensor([value] * 8 + [0.0, 1.0, 0.5, 0.25, 1.0, 0.0, 0.75, 0.5] + [1.0] * 8, dtype=dtype)
+    got = grpo.group_advantages(scores, 8, mode)
+    expected = torch.tensor(advantages_loop([float(v) for v in scores], 8, mode), dtype=torch.float64)
+    assert (got[:8] == 0).all(), got
+    assert (got[16:] == 0).all(), got
+    assert torch.allclose(got.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+    one_group = grpo.group_advantages(torch.tensor([value] * 8, dtype=dtype), 8, mode)
+    assert (one_group == 0).all()
+    loo = rloo.rloo_advantages(scores, 8)
+    assert (loo[:8] == 0).all()
+    assert (loo[16:] == 0).all()
 
 
 # ---------------------------------------------------------------- loss aggregation
@@ -135,6 +152,24 @@ def test_k3_and_k1_are_unbiased_on_samples_from_the_policy():
         assert grpo.kl_penalty(logp, logp_ref, estimator).mean().item() == pytest.approx(true_kl, rel=0.02)
     # why GRPO takes k3
     assert grpo.kl_penalty(logp, logp_ref, "k3").var() < grpo.kl_penalty(logp, logp_ref, "k1").var()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators_ignore_pads_of_any_log_prob(estimator):
+    logprobs = torch.tensor([[-0.5, -1.2, -1e4, -1e4], [-2.0, -1e4, -1e4, -1e4]], requires_grad=True)
+    logprobs_ref = torch.tensor([[-0.7, -1.0, 0.0, 0.0], [-1.5, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    kl = grpo.kl_penalty(logprobs, logprobs_ref, estimator, mask)
+    total = (kl * mask).sum()
+    total.backward()
+    expected = 0.0  # the valid tokens alone, by hand
+    for lp, ref in ((-0.5, -0.7), (-1.2, -1.0), (-2.0, -1.5)):
+        log_r = ref - lp
+        expected += {"k1": -log_r, "k2": 0.5 * log_r**2, "k3": torch.tensor(log_r).expm1().item() - log_r}[estimator]
+    assert torch.isfinite(total)
+    assert total.item() == pytest.approx(expected, rel=1e-6)
+    assert torch.isfinite(logprobs.grad).all()
+    assert (logprobs.grad[mask == 0] == 0).all()
 
 
 # ---------------------------------------------------------------- the clipped surrogate with two epsilons

@@ -1,5 +1,6 @@
 """ppo.py against independent references: plain loops, hand computations and the specification's worked examples
-(the four-case clipping table, the KL example)."""
+(the four-case clipping table, the KL example); its own arguments, its value head on the policy's trunk, and the
+script end to end."""
 
 import json
 import math
@@ -7,23 +8,10 @@ import os
 
 import pytest
 import torch
-from helpers import assert_static_decode_matches_dynamic, run_script, tiny_llama_config
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaForCausalLM,
-    LlamaForSequenceClassification,
-)
+from helpers import ROOT, left_padded_prompts, run_script, tiny_llama_config
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import ppo
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAD = 0
-EOS = 1
-
-
-def tiny_config(**kw):
-    return tiny_llama_config(max_position_embeddings=128, **kw)
 
 
 def prefix_mask(lengths, T):
@@ -161,7 +149,7 @@ def test_score_lands_on_last_valid_token():
     assert rewards.tolist() == [[0, 1.0, 0, 0, 0], [0, 0, 0, -2.0, 0]]
 
 
-# ---------------------------------------------------------------- controllers and running statistics
+# ---------------------------------------------------------------- controllers, running statistics and the dashboard
 
 
 def test_adaptive_kl_controller():
@@ -234,205 +222,7 @@ def test_distinct_n_by_hand():
     assert ppo.distinct_n([[5, 5, 5, 5]], 2) == 1 / 3
 
 
-def test_scores_take_the_minimum_over_reward_models():
-    rm_a = torch.tensor([1.0, -2.0, 0.5])
-    rm_b = torch.tensor([0.0, 3.0, 0.5])
-    assert ppo.combine_scores([rm_a, rm_b]).tolist() == [0.0, -2.0, 0.5]
-    assert ppo.combine_scores([rm_a, rm_b], torch.tensor([1.0, 0.0, 1.0])).tolist() == [1.0, -2.0, 1.5]
-    assert ppo.combine_scores([], torch.tensor([1.0, 0.0])).tolist() == [1.0, 0.0]
-
-
-def test_arithmetic_reward():
-    assert ppo.arithmetic_reward([" 95", "94", "95 "], ["95", "95", "95"]) == [1.0, 0.0, 1.0]
-
-
-def test_gsm8k_reward_reads_the_last_number_against_the_answer_after_hashes():
-    # The first GSM8K training answer: intermediate numbers in the calculator annotations, the final one after '####'.
-    answer = (
-        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-        "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
-    )
-    responses = [
-        "In May she sold 48 / 2 = 24, so 48 + 24 = 72 clips in all. The answer is 72.",  # last number 72: right
-        "She sold 72 clips in April and May, 24 of them in May.",  # 72 appears, but the last number is 24: wrong
-        "The answer is 72.0",  # the same number written as a decimal: right
-        "No idea.",  # no number: wrong
-    ]
-    assert ppo.gsm8k_reward(responses, [answer] * 4) == [1.0, 0.0, 1.0, 0.0]
-    # thousands separator, sign
-    assert ppo.gsm8k_reward(["It costs $1,234 in total.", "-5"], ["#### 1234", "#### -5"]) == [1.0, 1.0]
-    assert ppo.last_number("1,234.50 and then 7") == 7.0
-    assert ppo.last_number("2.50 dollars") == 2.5
-
-
-def test_hub_dataset_configuration_is_passed_to_load_dataset(monkeypatch):
-    """Hub datasets with several configurations (openai/gsm8k: main, socratic) need --dataset_config; no hub here, so
-    the loader is replaced by one that, like the hub's, refuses to guess a missing configuration."""
-    import datasets
-
-    def load_dataset(path, name=None, split=None):
-        if name is None:
-            raise ValueError("Config name is missing.")
-        return [{"question": f"{path}/{name}/{split}", "answer": "#### 1"}]
-
-    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    args = ppo.Args(dataset="openai/gsm8k")
-    with pytest.raises(SystemExit, match="--dataset_config"):
-        ppo.read_rows("openai/gsm8k", "train", args)
-    args.dataset_config = "main"
-    assert ppo.read_rows("openai/gsm8k", "train", args) == [{"question": "openai/gsm8k/main/train", "answer": "#### 1"}]
-
-
-# ---------------------------------------------------------------- generation and log-probs
-
-
-def left_padded_prompts(lengths, vocab, seed):
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
-    return ppo.left_pad(prompts, PAD, "cpu")
-
-
-def test_sampled_logprobs_equal_teacher_forced():
-    """logprobs_old recorded while sampling with a KV cache == one full forward over the finished sequences."""
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(tiny_config()).eval()
-    with torch.no_grad():  # make EOS likely enough that some sequences stop early and others do not
-        policy.lm_head.weight[EOS] *= 0
-        policy.lm_head.bias = None
-    prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
-    uniforms = torch.rand(6, 12, generator=torch.Generator().manual_seed(1))
-    sampling = ppo.Sampling(12, 0.7, EOS, PAD)
-    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
-    lengths = response_mask.sum(1)
-    assert 0 < (responses == EOS).any(1).sum() < len(responses) or lengths.min() < 12  # a mix of stopped and running
-    for b in range(len(responses)):  # the mask covers the response up to and including its EOS, pad after
-        n = int(lengths[b])
-        eos_at = (responses[b] == EOS).nonzero()
-        if len(eos_at):
-            assert n == eos_at[0].item() + 1
-        assert (responses[b, n:] == PAD).all()
-        assert (logprobs_old[b, n:] == 0).all()
-    input_ids = torch.cat([prompt_ids, responses], 1)
-    attention_mask = torch.cat([prompt_mask, response_mask], 1)
-    with torch.no_grad():
-        teacher_forced = ppo.response_logprobs(policy, input_ids, attention_mask, prompt_ids.shape[1], 0.7)
-    torch.testing.assert_close(teacher_forced * response_mask, logprobs_old, atol=2e-5, rtol=1e-5)
-
-
-def test_sampling_follows_the_tempered_softmax():
-    """Inverse-CDF sampling from uniforms: over 20,000 draws of the first token, each token's frequency is within
-    five binomial standard deviations of its probability, softmax(logits / T) computed apart in float64."""
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(tiny_config()).eval()
-    prompt_ids, prompt_mask = left_padded_prompts([4], 40, seed=3)
-    n = 20_000
-    uniforms = torch.rand(n, 1, generator=torch.Generator().manual_seed(4))
-    sampling = ppo.Sampling(1, 0.7, EOS, PAD)
-    tokens = ppo.generate(policy, prompt_ids.expand(n, -1), prompt_mask.expand(n, -1), sampling, uniforms)[0][:, 0]
-    with torch.no_grad():
-        probs = torch.softmax(policy(input_ids=prompt_ids).logits[0, -1].double() / 0.7, -1)
-    frequency = torch.bincount(tokens, minlength=len(probs)).double() / n
-    assert ((frequency - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
-    assert (frequency[probs < 1e-6] == 0).all()
-
-
-@pytest.mark.parametrize("kernel_decode", [False, True])
-def test_a_response_does_not_depend_on_its_batch(kernel_decode):
-    """Each row samples from its own uniforms: alone, or in another batch, it gets the same tokens (what makes a run
-    the same on any number of processes), with the plain decode loop and rlhf_kernels'."""
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(tiny_config()).eval()
-    prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
-    uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(2))
-    sampling = ppo.Sampling(10, 0.7, EOS, PAD, kernel_decode)
-    together = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
-    for b in range(6):
-        width = int(prompt_mask[b].sum())
-        alone = ppo.generate(
-            policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], sampling, uniforms[b : b + 1]
-        )
-        n = alone[0].shape[1]
-        assert torch.equal(alone[0][0], together[0][b, :n])
-        assert (together[2][b, n:] == 0).all()
-        torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=1e-5, rtol=1e-5)
-
-
-def test_static_decode_samples_what_the_dynamic_loop_samples():
-    """On the embedded policy: in float64 the same tokens, masks and log-probs (within 1e-6; see the helper); in the
-    float32 the scripts run in, the same tokens here and log-probs within 2e-5 (rounding: the static cache's attention
-    sums over its unused columns too)."""
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
-    stop_ids = torch.tensor([tokenizer.eos_token_id])
-    assert tokenizer.eos_token_id == 0  # the helper's zero uniforms draw it
-    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), dtype=torch.float64)
-    assert_static_decode_matches_dynamic(policy.eval(), tokenizer.pad_token_id, stop_ids, len(tokenizer))
-    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")).eval()
-    prompt_ids, prompt_mask = left_padded_prompts([3, 17, 9, 24, 1, 12, 20, 5], len(tokenizer), seed=3)
-    uniforms = torch.rand(8, 24, generator=torch.Generator().manual_seed(3))
-    for temperature in (0.7, 1.0):
-        dynamic = ppo.Sampling(24, temperature, stop_ids, tokenizer.pad_token_id)
-        static = ppo.Sampling(24, temperature, stop_ids, tokenizer.pad_token_id, kernel_decode=True)
-        expected = ppo.generate(policy, prompt_ids, prompt_mask, dynamic, uniforms)
-        got = ppo.generate(policy, prompt_ids, prompt_mask, static, uniforms)
-        assert torch.equal(got[0], expected[0])
-        assert torch.equal(got[2], expected[2])
-        torch.testing.assert_close(got[1], expected[1], atol=2e-5, rtol=0)
-
-
-def test_decode_auto_is_the_plain_loop_on_the_cpu(tmp_path):
-    """--decode auto hands generate's steps to rlhf_kernels on one GPU only (CUDA graphs need one; on the CPU the
-    static loop gains too little to give up the default runs as they were, bench/generate.md), and the option is
-    left as the user gave it: args.json records auto."""
-    out = tmp_path / "run"
-    args = ppo.Args(output_dir=str(out))
-    ppo.validate(args)
-    assert not ppo.load_task(args, torch.device("cpu"))[4].kernel_decode
-    ppo.Log(args, dict(elapsed=0.0, iteration=0), 0, None).file.close()
-    assert json.load(open(out / "args.json"))["decode"] == "auto"
-
-
-def test_response_logprobs_equal_plain_torch():
-    """The scripts' log-probs, through rlhf_kernels/, equal log_softmax + gather on the same forward."""
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(tiny_config()).eval()
-    input_ids, attention_mask = left_padded_prompts([4, 9, 6], 40, seed=2)
-    P = 3
-    with torch.no_grad():
-        logp, entropy = ppo.response_logprobs(policy, input_ids, attention_mask, P, 0.7, return_entropy=True)
-        logits = policy(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
-        ).logits.double()
-        plain = torch.log_softmax(logits[:, P - 1 : -1] / 0.7, -1)
-    valid = attention_mask[:, P:].bool()  # positions past a row's end (here: its left padding) are exactly 0
-    expected = torch.where(valid, plain.gather(-1, input_ids[:, P:, None]).squeeze(-1), 0.0)
-    torch.testing.assert_close(logp.double(), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(
-        entropy.double(), torch.where(valid, -(plain.exp() * plain).sum(-1), 0.0), atol=1e-5, rtol=1e-5
-    )
-
-
-def test_reward_head_is_padding_invariant():
-    torch.manual_seed(0)
-    rm = LlamaForSequenceClassification(tiny_config(num_labels=1)).eval()
-    seq = torch.randint(2, 40, (7,)).tolist() + [EOS]
-    alone = ppo.head_outputs(rm, torch.tensor([seq]), torch.ones(1, 8, dtype=torch.long))[0, -1]
-    ids = torch.tensor([[PAD] * 3 + seq + [PAD] * 2])
-    mask = (torch.arange(13) >= 3) & (torch.arange(13) < 11)
-    padded = ppo.head_outputs(rm, ids, mask.long()[None])[0, 10]
-    torch.testing.assert_close(alone, padded, atol=1e-5, rtol=1e-5)
-
-
 # ---------------------------------------------------------------- bad input, before anything loads
-
-
-def write_tiny_models(tmp_path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
-    LlamaForCausalLM(tiny_config()).save_pretrained(tmp_path / "lm")
-    LlamaForSequenceClassification(tiny_config(num_labels=1)).save_pretrained(tmp_path / "rm")
-    tokenizer.save_pretrained(tmp_path / "lm")
-    return tokenizer
 
 
 def args_with(**kw):
@@ -447,7 +237,7 @@ def args_with(**kw):
 @pytest.mark.parametrize(
     "kw,message",
     [
-        # PPO's own arguments; the checks every script shares are in test_robustness.py, for all three
+        # PPO's own arguments; the checks every script shares are in test_commands.py, for all three
         (dict(rollout_batch_size=64, minibatch_size=24), "must divide the 64 responses per iteration"),
         (dict(clip_range=-0.2), "--clip_range must be positive"),
         (dict(value_learning_rate=0.0), "--value_learning_rate must be positive"),
@@ -461,56 +251,43 @@ def test_bad_arguments_fail_with_one_sentence(kw, message, tmp_path):
         ppo.validate(args_with(**{"output_dir": str(tmp_path / "run"), **kw}))
 
 
-def test_wrong_model_kinds(tmp_path):
-    write_tiny_models(tmp_path)
-    with pytest.raises(SystemExit, match="not a causal LM"):
-        ppo.validate(args_with(model_name_or_path=str(tmp_path / "rm")))
-    with pytest.raises(SystemExit, match="not a sequence classifier"):
-        ppo.validate(args_with(reward_model_path=(str(tmp_path / "lm"),)))
+# ---------------------------------------------------------------- the value head on the policy's trunk
 
 
-def test_bad_datasets(tmp_path):
-    tokenizer = write_tiny_models(tmp_path)
-    (tmp_path / "empty.jsonl").write_text("")
-    (tmp_path / "wrong.jsonl").write_text(json.dumps({"text": "the food was"}) + "\n")
-    (tmp_path / "long.jsonl").write_text(
-        json.dumps({"prompt": "the food was " * 20}) + "\n" + json.dumps({"prompt": "the plot was"}) + "\n"
-    )
-    with pytest.raises(SystemExit, match="does not exist"):
-        ppo.load_prompts(str(tmp_path / "missing.jsonl"), "train", args_with(), tokenizer)
-    with pytest.raises(SystemExit, match="empty"):
-        ppo.load_prompts(str(tmp_path / "empty.jsonl"), "train", args_with(), tokenizer)
-    with pytest.raises(SystemExit, match="no 'prompt' column"):
-        ppo.load_prompts(str(tmp_path / "wrong.jsonl"), "train", args_with(), tokenizer)
-    with pytest.raises(SystemExit, match="longer than --max_prompt_length 16"):
-        ppo.load_prompts(str(tmp_path / "long.jsonl"), "train", args_with(max_prompt_length=16), tokenizer)
-    with pytest.warns(UserWarning, match="cut to their last 16 tokens"):
-        prompts, _ = ppo.load_prompts(
-            str(tmp_path / "long.jsonl"), "train", args_with(max_prompt_length=16, truncate_prompts=True), tokenizer
-        )
-    full = tokenizer("the food was " * 20, add_special_tokens=False)["input_ids"]
-    assert prompts[0] == full[-16:]
-    assert prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
-    with pytest.raises(SystemExit, match="needs an answer column"):
-        ppo.load_prompts(
-            str(tmp_path / "long.jsonl"),
-            "train",
-            args_with(reward_fn=("arithmetic",), max_prompt_length=200),
-            tokenizer,
-        )
-    (tmp_path / "broken.jsonl").write_text(
-        json.dumps({"prompt": "the food was"}) + "\n\n" + '{"prompt": "the plot was"' + "\n"
-    )
-    with pytest.raises(SystemExit, match="line 3 of '.*broken.jsonl' is not valid JSON"):
-        ppo.load_prompts(str(tmp_path / "broken.jsonl"), "train", args_with(), tokenizer)
-    (tmp_path / "number.jsonl").write_text(json.dumps({"prompt": 12}) + "\n")
-    with pytest.raises(SystemExit, match="row 1 of .* has a int as its prompt"):
-        ppo.load_prompts(str(tmp_path / "number.jsonl"), "train", args_with(), tokenizer)
-    # HF_HUB_OFFLINE=1 (conftest): a hub dataset cannot be fetched, and the error says so instead of a traceback
-    with pytest.raises(
-        SystemExit, match="hub dataset 'someone/reviews' could not be loaded .*; check its name, the split 'train'"
-    ):
-        ppo.load_prompts("someone/reviews", "train", args_with(), tokenizer)
+def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn():
+    """--shared_backbone: V is the head applied to the policy's last hidden states (computed here apart); the combined
+    loss gives gradients to the LM head, the trunk and the value head, and the value loss alone reaches the trunk."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_llama_config()).eval()
+    critic = ppo.ValueHead(policy)
+    assert [n for n, _ in critic.named_parameters()] == ["score.weight"]  # the trunk is the policy's, not a copy
+    with torch.no_grad():
+        critic.score.weight.normal_()
+    input_ids, attention_mask = left_padded_prompts([5, 9, 7], 40, seed=5)
+    values = ppo.head_outputs(critic, input_ids, attention_mask)
+    with torch.no_grad():
+        hidden = policy.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+        ).last_hidden_state
+    torch.testing.assert_close(values, (hidden @ critic.score.weight.T).squeeze(-1), atol=1e-5, rtol=1e-5)
+    (values * attention_mask).sum().backward()  # the value loss alone
+    assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+    assert policy.lm_head.weight.grad is None
+    policy.zero_grad()
+    critic.zero_grad()
+    # In training the head reads the trunk's output of the log-prob forward: the same values, one trunk pass for both
+    # heads. That forward runs the LM head on the positions the response's tokens are predicted from alone (P - 1 on).
+    logprobs = ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0)
+    reused = critic(hidden=critic.trunk_output).squeeze(-1)
+    torch.testing.assert_close(reused, values[:, 3 - 1 :], atol=1e-5, rtol=1e-5)
+    (-logprobs.sum() + reused.sum()).backward()
+    assert policy.lm_head.weight.grad.abs().sum() > 0
+    assert critic.score.weight.grad.abs().sum() > 0
+    trunk_grad = policy.model.layers[0].mlp.up_proj.weight.grad.clone()
+    policy.zero_grad()
+    ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0).sum().neg().backward()
+    # the value loss reached the trunk
+    assert not torch.allclose(trunk_grad, policy.model.layers[0].mlp.up_proj.weight.grad)
 
 
 # ---------------------------------------------------------------- the script, end to end
@@ -581,77 +358,6 @@ def test_smoke_run_with_rule_reward(tmp_path):
     )
     args = json.loads((out / "args.json").read_text())
     assert args["value_model_path"] is None  # not rewritten: the critic starts from the policy (no reward model)
-
-
-def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    policy_dir = tmp_path / "policy"
-    shutil.copytree(os.path.join(ROOT, "assets", "tiny-sft"), policy_dir)
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    tokenizer.pad_token = None
-    tokenizer.save_pretrained(policy_dir)
-    assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None
-    _, rows, output = run_ppo(tmp_path, f"--model_name_or_path={policy_dir}")
-    assert "no pad token; using EOS as pad" in output
-    rows = rows[1:]
-    # With pad == EOS the mask, not the token id, ends a response: lengths stay within bounds and the
-    # sampled log-probs still agree with the training forward pass.
-    assert all(1 <= r["response/length"] <= 8 and r["policy/first_ratio_dev"] < 1e-4 for r in rows)
-
-
-def test_held_out_dataset_defaults_to_the_test_split_beside_the_training_file(tmp_path):
-    arithmetic = os.path.join(ROOT, "assets", "arithmetic")
-    assert ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"))) == os.path.join(
-        arithmetic, "test.jsonl"
-    )
-    assert (
-        ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"), eval_dataset="x.jsonl"))
-        == "x.jsonl"
-    )
-    assert ppo.held_out_dataset(args_with(dataset=os.path.join(arithmetic, "train.jsonl"), eval_every=0)) is None
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n")
-    # no train/test layout: no evaluation
-    assert ppo.held_out_dataset(args_with(dataset=str(tmp_path / "prompts.jsonl"))) is None
-    assert ppo.held_out_dataset(args_with(dataset="someone/reviews")) is None
-
-
-def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn():
-    """--shared_backbone: V is the head applied to the policy's last hidden states (computed here apart); the combined
-    loss gives gradients to the LM head, the trunk and the value head, and the value loss alone reaches the trunk."""
-    torch.manual_seed(0)
-    policy = LlamaForCausalLM(tiny_config()).eval()
-    critic = ppo.ValueHead(policy)
-    assert [n for n, _ in critic.named_parameters()] == ["score.weight"]  # the trunk is the policy's, not a copy
-    with torch.no_grad():
-        critic.score.weight.normal_()
-    input_ids, attention_mask = left_padded_prompts([5, 9, 7], 40, seed=5)
-    values = ppo.head_outputs(critic, input_ids, attention_mask)
-    with torch.no_grad():
-        hidden = policy.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
-        ).last_hidden_state
-    torch.testing.assert_close(values, (hidden @ critic.score.weight.T).squeeze(-1), atol=1e-5, rtol=1e-5)
-    (values * attention_mask).sum().backward()  # the value loss alone
-    assert policy.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
-    assert policy.lm_head.weight.grad is None
-    policy.zero_grad()
-    critic.zero_grad()
-    # In training the head reads the trunk's output of the log-prob forward: the same values, one trunk pass for both
-    # heads. That forward runs the LM head on the positions the response's tokens are predicted from alone (P - 1 on).
-    logprobs = ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0)
-    reused = critic(hidden=critic.trunk_output).squeeze(-1)
-    torch.testing.assert_close(reused, values[:, 3 - 1 :], atol=1e-5, rtol=1e-5)
-    (-logprobs.sum() + reused.sum()).backward()
-    assert policy.lm_head.weight.grad.abs().sum() > 0
-    assert critic.score.weight.grad.abs().sum() > 0
-    trunk_grad = policy.model.layers[0].mlp.up_proj.weight.grad.clone()
-    policy.zero_grad()
-    ppo.response_logprobs(policy, input_ids, attention_mask, 3, 1.0).sum().neg().backward()
-    # the value loss reached the trunk
-    assert not torch.allclose(trunk_grad, policy.model.layers[0].mlp.up_proj.weight.grad)
 
 
 def test_a_run_with_a_shared_backbone(tmp_path):

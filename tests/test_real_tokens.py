@@ -8,15 +8,14 @@ own default positions, and the log-softmax taken in float64 here. Cutting must c
 - in float32 the scripts' own forwards (the rollout's chunks, a training micro-batch with its entropy, the reward
   model read at the last token) equal the row alone within 1e-5 on the embedded models;
 - a group's rows, their prompt prefilled once and its cache repeated, sample the tokens each row samples alone, with
-  log-probs within 1e-5 on the embedded policy in float32 (and 1e-9 in float64 on every family: test_families).
+  log-probs within 1e-5 on the embedded policy in float32 (and 1e-9 in float64 on every family: test_models).
 """
 
 import os
 
 import pytest
 import torch
-from helpers import ROOT, assert_group_prompts_prefilled_once
-from test_families import FAMILIES, PAD, TOKENIZER
+from helpers import FAMILIES, PAD, ROOT, TOKENIZER, assert_group_prompts_prefilled_once
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo

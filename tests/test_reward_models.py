@@ -1,10 +1,12 @@
-"""Reward models with a tokenizer of their own (shared code, tested through ppo.py's copy and a run of rloo.py): the
-prompt and the decoded response are re-tokenised for the reward model, and its score equals the one it gives the same
-text fed to it directly, one sequence at a time, through transformers' own classifier; a reward model on the policy's
-tokenizer keeps reading the token ids."""
+"""Reward models (shared code, tested through ppo.py's copy and a run of rloo.py): the score of several is their
+minimum; a reward model with a tokenizer of its own re-tokenises the prompt and the decoded response, and its score
+equals the one it gives the same text fed to it directly, one sequence at a time, through transformers' own
+classifier; a reward model on the policy's tokenizer keeps reading the token ids; a tokenizer without a pad or with ids
+past its model's embeddings is refused before the model loads."""
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -12,10 +14,27 @@ from helpers import ROOT, run_script, tiny_llama_config, tiny_run
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
+import grpo
 import ppo
 
+
+def test_scores_take_the_minimum_over_reward_models():
+    rm_a = torch.tensor([1.0, -2.0, 0.5])
+    rm_b = torch.tensor([0.0, 3.0, 0.5])
+    assert ppo.combine_scores([rm_a, rm_b]).tolist() == [0.0, -2.0, 0.5]
+    assert ppo.combine_scores([rm_a, rm_b], torch.tensor([1.0, 0.0, 1.0])).tolist() == [1.0, -2.0, 1.5]
+    assert ppo.combine_scores([], torch.tensor([1.0, 0.0])).tolist() == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------- a reward model on a tokenizer of its own
+
+
 POLICY = os.path.join(ROOT, "assets", "tiny-sft")
+
+
 PROMPTS = ["the food was", "the hotel room felt", "the plot of the film"]
+
+
 RESPONSES = [" lovely and warm .", " cold", " dull and far too long ."]
 
 
@@ -135,3 +154,50 @@ def test_rloo_runs_with_a_reward_model_on_another_tokenizer(other_rm, tmp_path):
     rows, _ = run_script("rloo.py", tmp_path, "--reward_model_path", other_rm, *options)
     assert [r["iteration"] for r in rows] == [1, 2]  # 16 episodes of 8 responses an iteration (tiny_run)
     assert all(torch.isfinite(torch.tensor([r["objective/score"], r["objective/kl"]])).all() for r in rows)
+
+
+# ---------------------------------------------------------------- tokenizers checked before their model loads
+
+
+def test_a_reward_tokenizer_with_ids_past_the_embeddings_is_refused_before_its_model_loads(tmp_path):
+    """A word-level tokenizer of 300 words with ids from 1000 up, beside a model of 784 embeddings: 303 tokens fit in
+    784, but the ids do not (before, the check counted tokens and the first score raised IndexError)."""
+    words = {f"word{i}": 1000 + i for i in range(300)} | {"<pad>": 1300, "<unk>": 1301, "</s>": 1302}
+    backend = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
+    )
+    assert len(tokenizer) <= 784 < max(tokenizer.get_vocab().values())
+    rm = tmp_path / "rm"
+    tokenizer.save_pretrained(rm)
+    config = tiny_llama_config(vocab_size=784, num_hidden_layers=1)
+    config.architectures = ["LlamaForSequenceClassification"]
+    config.save_pretrained(rm)  # no weights: the check must come before they load
+    args = ppo.Args(reward_model_path=(str(rm),))
+    policy_tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
+    with pytest.raises(SystemExit, match="ids past the model's 784 embeddings \\(its largest is 1302\\)"):
+        ppo.load_reward_models(args, policy_tokenizer, "cpu")
+
+
+def test_reward_model_tokenizers_without_a_pad_or_with_ids_past_the_embeddings_are_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    policy = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    for name, specials, vocab in (("no-pad", {}, 784), ("too-many", {"pad_token": "<p>"}, 2)):
+        rm = tmp_path / name
+        shutil.copytree(os.path.join(ROOT, "assets", "tiny-rm"), rm)
+        for f in rm.glob("*token*"):
+            f.unlink()
+        words = {w: i for i, w in enumerate(["<p>", *(f"w{i}" for i in range(9))])}
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words)), **specials).save_pretrained(rm)
+        config = json.loads((rm / "config.json").read_text())
+        (rm / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+        args = grpo.Args(reward_model_path=(str(rm),))
+        with pytest.raises(
+            SystemExit,
+            match=rf"the tokenizer beside --reward_model_path '{rm}' has no pad, EOS or unk "
+            rf"token, or ids past the model's {vocab} embeddings \(its largest is 9\); save the one",
+        ):
+            grpo.load_reward_models(args, policy, torch.device("cpu"))

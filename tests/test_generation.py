@@ -1,0 +1,153 @@
+"""Sampling and the log-probs it records (shared code, through ppo.py's copy): the log-probs recorded while sampling
+equal a teacher-forced forward, the samples follow the tempered softmax, a response does not depend on its batch,
+rlhf_kernels' static decode loop samples what the plain loop samples, and the log-probs equal plain torch's and are 0
+past each response's end."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import ROOT, assert_static_decode_matches_dynamic, left_padded_prompts, tiny_llama_config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+import ppo
+
+# the tiny Llama's (helpers.tiny_llama_config)
+PAD = 0
+EOS = 1
+
+
+def test_sampled_logprobs_equal_teacher_forced():
+    """logprobs_old recorded while sampling with a KV cache == one full forward over the finished sequences."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_llama_config()).eval()
+    with torch.no_grad():  # make EOS likely enough that some sequences stop early and others do not
+        policy.lm_head.weight[EOS] *= 0
+        policy.lm_head.bias = None
+    prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
+    uniforms = torch.rand(6, 12, generator=torch.Generator().manual_seed(1))
+    sampling = ppo.Sampling(12, 0.7, EOS, PAD)
+    responses, logprobs_old, response_mask = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
+    lengths = response_mask.sum(1)
+    assert 0 < (responses == EOS).any(1).sum() < len(responses) or lengths.min() < 12  # a mix of stopped and running
+    for b in range(len(responses)):  # the mask covers the response up to and including its EOS, pad after
+        n = int(lengths[b])
+        eos_at = (responses[b] == EOS).nonzero()
+        if len(eos_at):
+            assert n == eos_at[0].item() + 1
+        assert (responses[b, n:] == PAD).all()
+        assert (logprobs_old[b, n:] == 0).all()
+    input_ids = torch.cat([prompt_ids, responses], 1)
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    with torch.no_grad():
+        teacher_forced = ppo.response_logprobs(policy, input_ids, attention_mask, prompt_ids.shape[1], 0.7)
+    torch.testing.assert_close(teacher_forced * response_mask, logprobs_old, atol=2e-5, rtol=1e-5)
+
+
+def test_sampling_follows_the_tempered_softmax():
+    """Inverse-CDF sampling from uniforms: over 20,000 draws of the first token, each token's frequency is within
+    five binomial standard deviations of its probability, softmax(logits / T) computed apart in float64."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_llama_config()).eval()
+    prompt_ids, prompt_mask = left_padded_prompts([4], 40, seed=3)
+    n = 20_000
+    uniforms = torch.rand(n, 1, generator=torch.Generator().manual_seed(4))
+    sampling = ppo.Sampling(1, 0.7, EOS, PAD)
+    tokens = ppo.generate(policy, prompt_ids.expand(n, -1), prompt_mask.expand(n, -1), sampling, uniforms)[0][:, 0]
+    with torch.no_grad():
+        probs = torch.softmax(policy(input_ids=prompt_ids).logits[0, -1].double() / 0.7, -1)
+    frequency = torch.bincount(tokens, minlength=len(probs)).double() / n
+    assert ((frequency - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
+    assert (frequency[probs < 1e-6] == 0).all()
+
+
+@pytest.mark.parametrize("kernel_decode", [False, True])
+def test_a_response_does_not_depend_on_its_batch(kernel_decode):
+    """Each row samples from its own uniforms: alone, or in another batch, it gets the same tokens (what makes a run
+    the same on any number of processes), with the plain decode loop and rlhf_kernels'."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_llama_config()).eval()
+    prompt_ids, prompt_mask = left_padded_prompts([1, 5, 3, 8, 2, 6], 40, seed=1)
+    uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(2))
+    sampling = ppo.Sampling(10, 0.7, EOS, PAD, kernel_decode)
+    together = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
+    for b in range(6):
+        width = int(prompt_mask[b].sum())
+        alone = ppo.generate(
+            policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], sampling, uniforms[b : b + 1]
+        )
+        n = alone[0].shape[1]
+        assert torch.equal(alone[0][0], together[0][b, :n])
+        assert (together[2][b, n:] == 0).all()
+        torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_static_decode_samples_what_the_dynamic_loop_samples():
+    """On the embedded policy: in float64 the same tokens, masks and log-probs (within 1e-6; see the helper); in the
+    float32 the scripts run in, the same tokens here and log-probs within 2e-5 (rounding: the static cache's attention
+    sums over its unused columns too)."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
+    stop_ids = torch.tensor([tokenizer.eos_token_id])
+    assert tokenizer.eos_token_id == 0  # the helper's zero uniforms draw it
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), dtype=torch.float64)
+    assert_static_decode_matches_dynamic(policy.eval(), tokenizer.pad_token_id, stop_ids, len(tokenizer))
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")).eval()
+    prompt_ids, prompt_mask = left_padded_prompts([3, 17, 9, 24, 1, 12, 20, 5], len(tokenizer), seed=3)
+    uniforms = torch.rand(8, 24, generator=torch.Generator().manual_seed(3))
+    for temperature in (0.7, 1.0):
+        dynamic = ppo.Sampling(24, temperature, stop_ids, tokenizer.pad_token_id)
+        static = ppo.Sampling(24, temperature, stop_ids, tokenizer.pad_token_id, kernel_decode=True)
+        expected = ppo.generate(policy, prompt_ids, prompt_mask, dynamic, uniforms)
+        got = ppo.generate(policy, prompt_ids, prompt_mask, static, uniforms)
+        assert torch.equal(got[0], expected[0])
+        assert torch.equal(got[2], expected[2])
+        torch.testing.assert_close(got[1], expected[1], atol=2e-5, rtol=0)
+
+
+def test_decode_auto_is_the_plain_loop_on_the_cpu(tmp_path):
+    """--decode auto hands generate's steps to rlhf_kernels on one GPU only (CUDA graphs need one; on the CPU the
+    static loop gains too little to give up the default runs as they were, bench/generate.md), and the option is
+    left as the user gave it: args.json records auto."""
+    out = tmp_path / "run"
+    args = ppo.Args(output_dir=str(out))
+    ppo.validate(args)
+    assert not ppo.load_task(args, torch.device("cpu"))[4].kernel_decode
+    ppo.Log(args, dict(elapsed=0.0, iteration=0), 0, None).file.close()
+    assert json.load(open(out / "args.json"))["decode"] == "auto"
+
+
+def test_response_logprobs_equal_plain_torch():
+    """The scripts' log-probs, through rlhf_kernels/, equal log_softmax + gather on the same forward."""
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_llama_config()).eval()
+    input_ids, attention_mask = left_padded_prompts([4, 9, 6], 40, seed=2)
+    P = 3
+    with torch.no_grad():
+        logp, entropy = ppo.response_logprobs(policy, input_ids, attention_mask, P, 0.7, return_entropy=True)
+        logits = policy(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+        ).logits.double()
+        plain = torch.log_softmax(logits[:, P - 1 : -1] / 0.7, -1)
+    valid = attention_mask[:, P:].bool()  # positions past a row's end (here: its left padding) are exactly 0
+    expected = torch.where(valid, plain.gather(-1, input_ids[:, P:, None]).squeeze(-1), 0.0)
+    torch.testing.assert_close(logp.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        entropy.double(), torch.where(valid, -(plain.exp() * plain).sum(-1), 0.0), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_response_logprobs_are_zero_past_the_end_at_a_low_temperature():
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft")).eval()
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 0, 0], [5, 6, 7, 10, 11, 12, 13]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        logprobs, entropy = ppo.response_logprobs(policy, input_ids, attention_mask, 3, 0.1, return_entropy=True)
+        # the same rows one at a time, unpadded: the reference for the valid positions
+        alone = ppo.response_logprobs(policy, input_ids[:1, :5], attention_mask[:1, :5], 3, 0.1)
+    assert (logprobs[0, 2:] == 0).all()
+    assert (entropy[0, 2:] == 0).all()
+    assert torch.allclose(logprobs[0, :2], alone[0], atol=1e-5)
+    assert torch.isfinite(logprobs).all()

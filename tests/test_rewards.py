@@ -1,0 +1,899 @@
+"""Reward functions (shared code, through ppo.py's and grpo.py's copies): the built-in rules by hand; the user's own,
+from a file or a module, alone or several weighted, against the built-in rule or one function returning their sum; a
+failure, a non-finite score, a wrong return named on its response; and reward code run where it can always be
+stopped: each --reward_fn of the user's own runs in a process of its own, a fresh interpreter in a process group that
+a timeout or a stop signal kills whole. Each case is a grader as people write them (a shell command, a subprocess, a
+thread pool, a process pool, a grader that catches the timeout, a lazy generator, one with its own alarm, sys.exit, a
+math.py, two grader.py, an import that waits for a service, a random.py in the working folder) and is compared with
+what must happen: the call or the loading ends within its timeout, nothing it started is left, the failure is named
+as it happened, the scores are those of a plain loop, a run is the one whose reward never failed."""
+
+import hashlib
+import importlib.util
+import math
+import os
+import pathlib
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy
+import pytest
+import torch
+from helpers import (
+    ENV,
+    GROUPS_OF_EIGHT,
+    ROOT,
+    args_for,
+    assert_bitwise_equal,
+    cli,
+    final_state,
+    finished,
+    launch,
+    read_rows,
+    run_script,
+    set_up,
+    tiny_run,
+    wait_for,
+    without_timing,
+)
+from transformers import AutoTokenizer
+
+import grpo
+import ppo
+
+# ---------------------------------------------------------------- the built-in rules
+
+
+def test_arithmetic_reward():
+    assert ppo.arithmetic_reward([" 95", "94", "95 "], ["95", "95", "95"]) == [1.0, 0.0, 1.0]
+
+
+def test_gsm8k_reward_reads_the_last_number_against_the_answer_after_hashes():
+    # The first GSM8K training answer: intermediate numbers in the calculator annotations, the final one after '####'.
+    answer = (
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+        "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+    )
+    responses = [
+        "In May she sold 48 / 2 = 24, so 48 + 24 = 72 clips in all. The answer is 72.",  # last number 72: right
+        "She sold 72 clips in April and May, 24 of them in May.",  # 72 appears, but the last number is 24: wrong
+        "The answer is 72.0",  # the same number written as a decimal: right
+        "No idea.",  # no number: wrong
+    ]
+    assert ppo.gsm8k_reward(responses, [answer] * 4) == [1.0, 0.0, 1.0, 0.0]
+    # thousands separator, sign
+    assert ppo.gsm8k_reward(["It costs $1,234 in total.", "-5"], ["#### 1234", "#### -5"]) == [1.0, 1.0]
+    assert ppo.last_number("1,234.50 and then 7") == 7.0
+    assert ppo.last_number("2.50 dollars") == 2.5
+
+
+# ---------------------------------------------------------------- the user's own reward function
+
+
+SAME_AS_ARITHMETIC = """
+def exact(responses, answers):
+    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+"""
+
+
+def test_a_reward_function_from_a_file_trains_like_the_built_in_one(tmp_path):
+    (tmp_path / "my_rule.py").write_text(SAME_AS_ARITHMETIC)
+    held_out = tmp_path / "test.jsonl"
+    held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:12]))
+    common = tiny_run("grpo.py", total_episodes=24, eval_every=2, eval_dataset=held_out)  # three iterations
+    builtin, printed = run_script("grpo.py", tmp_path / "builtin", *common, "--reward_fn", "arithmetic")
+    mine, _ = run_script("grpo.py", tmp_path / "mine", *common, "--reward_fn", f"{tmp_path / 'my_rule.py'}:exact")
+    assert without_timing(mine) == without_timing(builtin)
+    assert "objective/rule_reward" in mine[-1]
+    assert "eval/score" in mine[-1]
+    # transformers' own loading and saving bars are off; the run's lines are there
+    assert "Loading weights" not in printed
+    assert "Writing model shards" not in printed
+    assert "iter 3/3" in printed
+
+
+def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
+    (tmp_path / "rules_pkg").mkdir()
+    (tmp_path / "rules_pkg" / "__init__.py").write_text("")
+    (tmp_path / "rules_pkg" / "arith.py").write_text(SAME_AS_ARITHMETIC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = grpo.load_reward_fn("rules_pkg.arith:exact", 10)
+    assert grpo.call_reward_fn(fn, ["12", " 7 ", "x"], ["12", "8", "x"], 10) == ([1.0, 0.0, 1.0], None)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("no_such_file.py:reward", "'no_such_file.py' could not be loaded \\(FileNotFoundError"),
+        ("{tmp}/rule.py:missing", "has no function 'missing'"),
+        ("{tmp}/rule.py:one_argument", r"cannot be called as one_argument\(responses, answers\)"),
+        ("{tmp}/broken.py:reward", "could not be loaded \\(ZeroDivisionError"),
+        ("no_such_module_here:reward", "could not be loaded \\(ModuleNotFoundError"),
+        ("nope", "unknown --reward_fn 'nope'"),
+    ],
+)
+def test_a_bad_reward_function_stops_before_any_model_loads(spec, message, tmp_path):
+    (tmp_path / "rule.py").write_text("def one_argument(responses):\n    return [0.0] * len(responses)\n")
+    (tmp_path / "broken.py").write_text("1 / 0\n")
+    args = grpo.Args(reward_fn=(spec.format(tmp=tmp_path),), output_dir=str(tmp_path / "run"))
+    grpo.validate(args)  # the arguments are well formed; starting the function is main's next set-up step
+    with pytest.raises(SystemExit, match=message):
+        grpo.load_reward_fns(args)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("spec", ["None", "none"])
+def test_reward_fn_none_is_refused_as_no_rules_name(spec):
+    with pytest.raises(SystemExit, match=f"unknown --reward_fn '{spec}'; choose one of"):
+        set_up(grpo, grpo.Args(reward_fn=(spec,), eval_every=0))
+
+
+# ---------------------------------------------------------------- several weighted rule rewards
+
+
+RULES = """
+def correct(responses, answers):
+    return [float(r.strip() == str(a).strip()) for r, a in zip(responses, answers)]
+
+def short(responses, answers):
+    return [float(len(r.strip()) <= 2) for r in responses]
+
+def both(responses, answers):
+    return [c + 0.5 * s for c, s in zip(correct(responses, answers), short(responses, answers))]
+
+def broken(responses, answers):
+    return [1.0 / (len(r.strip()) - 2) for r in responses]
+"""
+
+
+def scored_by_rules(tmp_path, specs, weights=()):
+    """score_responses on four known responses to arithmetic prompts, the rules loaded as the scripts load them."""
+    (tmp_path / "rules.py").write_text(RULES)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    prompts = ["1+1=", "2+2=", "9+9=", "50+50="]
+    answers = ["2", "4", "18", "100"]
+    replies = ["2", "5", "18", "100"]
+    prompt_ids, prompt_mask = ppo.left_pad([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id, "cpu")
+    ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in replies]
+    width = max(map(len, ids))
+    responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in ids])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+    fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}", 600)) for spec in specs]
+    args = ppo.Args(reward_fn=tuple(specs), reward_weights=weights)
+    return ppo.score_responses(
+        ppo.Scorer([], fns, tokenizer),
+        torch.cat([prompt_ids, responses], 1),
+        torch.cat([prompt_mask, response_mask], 1),
+        prompt_ids.shape[1],
+        [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)],
+        args,
+    )
+
+
+def test_two_weighted_rules_give_their_weighted_sum(tmp_path):
+    scores = scored_by_rules(tmp_path, ["correct", "short"], (2.0, -0.25))
+    assert scores.texts == ["2", "5", "18", "100"]
+    assert scores.failed == 0
+    # by hand: correct 1 0 1 1, short 1 1 1 0; 2 * correct - 0.25 * short
+    assert scores.raw.tolist() == [1.75, -0.25, 1.75, 2.0]
+    assert scores.metrics["objective/rule_reward"].tolist() == [1.75, -0.25, 1.75, 2.0]
+    assert scores.metrics["reward/correct"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert scores.metrics["reward/short"].tolist() == [1.0, 1.0, 1.0, 0.0]
+    scores = scored_by_rules(tmp_path, ["correct"])  # one rule, weight 1: its scores, and no reward/<name>
+    assert scores.raw.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert list(scores.metrics) == ["objective/rule_reward"]
+
+
+def test_a_failing_rule_among_several_is_named(tmp_path):
+    with pytest.raises(
+        SystemExit,
+        match=r"the response '18' to the prompt '9\+9=' is an error \(ZeroDivisionError: "
+        r"float division by zero\) \(--reward_fn broken\)",
+    ):
+        scored_by_rules(tmp_path, ["correct", "broken"])
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0,)), "--reward_weights needs one weight per"),
+        (dict(reward_fn=("arithmetic", "arithmetic")), "--reward_fn gives two functions one name"),
+        (dict(reward_fn=("arithmetic", "a.py:arithmetic")), "--reward_fn gives two functions one name, and each logs"),
+    ],
+)
+def test_bad_weights_or_names_stop_before_any_model_loads(kw, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        grpo.validate(grpo.Args(output_dir=str(tmp_path / "run"), **kw))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -float("inf"), 1e39])
+def test_reward_weights_must_be_finite_and_within_float32(weight):
+    args = grpo.Args(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0, weight))
+    with pytest.raises(SystemExit, match=r"--reward_weights must each be finite and within \+-3.4e\+38 \(got "):
+        grpo.validate(args)
+
+
+def weights_digest(out):
+    return hashlib.sha256(open(os.path.join(out, "model.safetensors"), "rb").read()).hexdigest()
+
+
+# two iterations of grpo.py's groups of 8
+TWO_ITERATIONS = [*GROUPS_OF_EIGHT, "--total_episodes=64", "--eval_every=0"]
+
+
+def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
+    (tmp_path / "rules.py").write_text(RULES)
+    held_out = tmp_path / "test.jsonl"
+    held_out.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "test.jsonl")).readlines()[:12]))
+    common = [
+        *TWO_ITERATIONS,
+        "--total_episodes=96",
+        "--eval_every=2",
+        f"--eval_dataset={held_out}",
+    ]  # three iterations
+    rules = tmp_path / "rules.py"
+    two, _ = run_script(
+        "grpo.py",
+        tmp_path / "two",
+        *common,
+        "--reward_fn",
+        f"{rules}:correct",
+        f"{rules}:short",
+        "--reward_weights",
+        "1",
+        "0.5",
+    )
+    one, _ = run_script("grpo.py", tmp_path / "one", *common, "--reward_fn", f"{rules}:both")
+
+    def kept(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "reward/"))} for r in rows]
+
+    assert kept(two) == kept(one)
+    assert len(two) == 4
+    assert weights_digest(tmp_path / "two") == weights_digest(tmp_path / "one")
+    for r in two[1:]:  # each rule's mean is logged; their weighted sum is the rule score
+        assert r["objective/rule_reward"] == pytest.approx(r["reward/correct"] + 0.5 * r["reward/short"], abs=1e-6)
+        assert "reward/correct" not in one[1]
+
+
+# ---------------------------------------------------------------- rewards that fail, return the wrong thing or hang
+
+
+PROMPTS = ["what is 2+3?", "what is 7+1?", "what is 4+4?", "what is 9+0?"]
+
+
+RESPONSES = ["5", "8", "nine", "9"]
+
+
+def scored(fn, on_reward_error="stop", penalty=1.0, more=()):
+    """score_responses on four known prompts and responses with a rule reward (and more (--reward_fn, function)
+    pairs) and no reward model."""
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
+    encode = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
+    prompt_ids, prompt_mask = ppo.left_pad(encode, tokenizer.pad_token_id, "cpu")
+    replies = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in RESPONSES]
+    width = max(map(len, replies))
+    responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
+    response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
+    args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
+    return ppo.score_responses(
+        ppo.Scorer([], [("fn", fn), *more], tokenizer),
+        torch.cat([prompt_ids, responses], 1),
+        torch.cat([prompt_mask, response_mask], 1),
+        prompt_ids.shape[1],
+        [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])],
+        args,
+    )
+
+
+def test_a_failing_reward_function_is_pinned_on_its_response():
+    def fails_on_words(texts, answers):
+        return [float(int(t) == int(a)) for t, a in zip(texts, answers)]  # int("nine") raises
+
+    with pytest.raises(
+        SystemExit,
+        match=r"the response 'nine' to the prompt 'what is 4\+4\?' is an error "
+        r"\(ValueError: invalid literal.*--on_reward_error penalty",
+    ):
+        scored(fails_on_words)
+    # with the penalty it scores --missing_eos_penalty below the lowest valid score of the batch: min(1, 1, 1) - 0.5
+    scores = scored(fails_on_words, "penalty", penalty=0.5)
+    assert scores.raw.tolist() == [1.0, 1.0, 0.5, 1.0]
+    assert scores.failed == 1
+    assert scores.texts == RESPONSES
+    reward_metrics = scores.metrics
+    assert reward_metrics["objective/rule_reward"].tolist() == [1.0, 1.0, 0.0, 1.0]  # the rule counts it as wrong
+
+
+def test_a_non_finite_score_is_named():
+    with pytest.raises(SystemExit, match=r"the response '9' to the prompt 'what is 9\+0\?' is not a finite number"):
+        scored(lambda texts, answers: [0.0, 1.0, 2.0, float("inf")])
+    scores = scored(lambda texts, answers: [0.0, float("nan"), 2.0, 3.0], "penalty")
+    assert scores.raw.tolist() == [0.0, -1.0, 2.0, 3.0]
+    assert scores.failed == 1
+
+
+def test_a_wrong_number_of_scores_is_named():
+    with pytest.raises(
+        SystemExit,
+        match=r"the response '5' .* is nan: the batch's call returned 3 scores for 4 "
+        r"responses; fix the reward",
+    ):  # the count named, not one response blamed
+        scored(lambda texts, answers: [1.0 for t in texts if t != "nine"])  # drops a response
+
+    def one_at_a_time(texts, answers):  # scores a single response, and raises on a batch of several
+        if len(texts) == 1:
+            return [1.0]
+        raise ZeroDivisionError("division by zero")
+
+    with pytest.raises(
+        SystemExit,
+        match=r"is nan: the batch's call raised \(ZeroDivisionError: division by zero\) but no single response's did; "
+        "make the reward score a batch as it scores each response",
+    ):
+        scored(one_at_a_time)
+    # every response failed: no batch minimum, and the advice is not the option already on
+    with pytest.raises(
+        SystemExit,
+        match="every response of the batch failed its reward "
+        r"\(the response '5' .* is not a finite number\); fix the reward function\.$",
+    ):
+        scored(lambda texts, answers: [float("nan")] * len(texts), "penalty")
+
+
+@pytest.mark.parametrize(
+    "returned, why",
+    [
+        ("1.0", "nan: the batch's call returned a str for 3 responses"),
+        ([1.0, 0.0], "nan: the batch's call returned 2 scores for 3 responses"),
+        ([1.0, 0.0, 1.0, 1.0], "nan: the batch's call returned 4 scores for 3 responses"),
+        (0.5, "nan: the batch's call returned a float for 3 responses"),
+        ([1.0, 1e300, 0.0], "1e+300, past float32's range"),
+    ],
+)
+def test_a_wrong_return_is_named(returned, why):
+    """Before, a str had each character taken as a score, a wrong count blamed one response with "too many values
+    to unpack", and 1e300 (finite in Python, inf in float32) was called "not a finite number"."""
+    scores, reason = grpo.call_reward_fn(lambda responses, answers: returned, ["a", "b", "c"], [1, 2, 3], 10)
+    assert reason == why
+    assert not torch.tensor(scores).isfinite().all()  # the batch fails: no score is taken from it
+
+
+def test_a_reward_that_scores_every_response_gives_no_reason():
+    assert ppo.call_reward_fn(lambda responses, answers: [1.0, 0.5], ["a", "b"], [1, 2], 10) == ([1.0, 0.5], None)
+    scores, reason = ppo.call_reward_fn(lambda responses, answers: [1.0, float("nan")], ["a", "b"], [1, 2], 10)
+    assert reason == "not a finite number"
+
+
+def test_a_reward_that_raises_on_the_batch_alone_fails_every_response():
+    def batch_only(responses, answers):
+        if len(responses) > 1:
+            raise ZeroDivisionError("division by zero")
+        return [1.0]
+
+    scores, reason = ppo.call_reward_fn(batch_only, ["a", "b"], [1, 2], 10)
+    assert all(score != score for score in scores)  # nan: no score is taken from a grader that disagrees with itself
+    assert reason.startswith("nan: the batch's call raised (ZeroDivisionError: division by zero) but no single")
+
+
+def test_several_functions_a_failure_names_its_function_and_a_none_is_said(tmp_path):
+    """Two rules: the first fails on 'nine' (the third response), the second returns None for '5' (the first). The
+    response named is the first that failed, with the reason and the --reward_fn of the rule that failed on it
+    (before: the first rule's error, pinned on a response it scored), and a None is said as such (before:
+    "TypeError: float() argument ..."): TRL's "does not apply" is refused."""
+
+    def first(texts, answers):
+        return [float(int(t) == int(a)) for t, a in zip(texts, answers)]  # int("nine") raises
+
+    def second(texts, answers):
+        return [None if t == "5" else 0.5 for t in texts]
+
+    spec = f"{tmp_path}/rules.py:second"
+    with pytest.raises(
+        SystemExit,
+        match=r"the response '5' to the prompt 'what is 2\+3\?' is None \(TRL's 'does not apply' is not taken here: "
+        rf"return a float for every response\) \(--reward_fn {spec}\); fix the reward",
+    ):
+        scored(first, more=[(spec, second)])
+
+
+def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_timeout(tmp_path):
+    """The batch's call raises, and each response alone then hangs: the first single call that times out ends the
+    retries (before, each of the B responses waited its own timeout), and every score is a failure."""
+    rule = tmp_path / "rule.py"
+    rule.write_text(
+        "import time\n"
+        "def grader(responses, answers):\n"
+        f"    print(len(responses), file=open({str(tmp_path / 'calls')!r}, 'a'), flush=True)\n"
+        "    if len(responses) > 1:\n"
+        "        raise ValueError('batch unsupported')\n"
+        "    time.sleep(30)\n"
+    )
+    reward_fn = grpo.load_reward_fn(f"{rule}:grader", 10)
+    scores, why = grpo.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], timeout=0.5)
+    assert (tmp_path / "calls").read_text().split() == ["3", "1"]
+    assert all(s != s for s in scores)
+    assert len(scores) == 3
+    assert why == "an error (TimeoutError: no answer within --reward_timeout 0.5 s)"
+
+
+def test_penalised_reward_errors_are_counted_in_a_run(tmp_path, monkeypatch, keep_signal_handlers):
+    def half_broken(texts, answers):  # a reward that fails on every other response
+        return [float("nan") if i % 2 else 1.0 for i in range(len(texts))]
+
+    monkeypatch.setitem(grpo.REWARD_FNS, "arithmetic", half_broken)
+    grpo.main(args_for("grpo.py", tmp_path, total_episodes=16, on_reward_error="penalty"))
+    rows = read_rows(tmp_path)
+    assert [r["health/reward_errors"] for r in rows] == [4, 4]  # 4 of the 8 responses of each iteration
+    with pytest.raises(SystemExit, match="is not a finite number; fix the reward"):
+        grpo.main(args_for("grpo.py", tmp_path / "stop", total_episodes=16))
+
+
+# ---------------------------------------------------------------- reward code run in a process of its own
+
+
+GRADERS = """
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+PIDS = {pids!r}  # a file named after each grader, holding the process id of what it started
+
+
+def shell(responses, answers):  # os.system: no Python code runs in this process until the shell ends
+    os.system(f"echo $$ > {{PIDS}}/shell; exec sleep 120")
+
+
+def popen(responses, answers):
+    child = subprocess.Popen(["sleep", "120"])
+    open(f"{{PIDS}}/popen", "w").write(str(child.pid))
+    child.wait()
+
+
+def threads(responses, answers):  # the pool's shutdown waits for its thread
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(time.sleep, 120).result()
+
+
+def forgiving(responses, answers):  # a grader that takes a TimeoutError as "no answer": zeros
+    try:
+        time.sleep(120)
+    except TimeoutError:
+        pass
+    return [0.0] * len(responses)
+
+
+def lazy(responses, answers):  # a generator: the scores are computed as they are read
+    for response in responses:
+        time.sleep(120)
+        yield 1.0
+
+
+class OwnLimit(Exception):
+    pass
+
+
+def over_own_limit(signum, frame):
+    raise OwnLimit("the grader's own 50 ms limit")
+
+
+signal.signal(signal.SIGALRM, over_own_limit)
+
+
+def own_alarm(responses, answers):
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    time.sleep(120)
+
+
+def crashes(responses, answers):  # as a C extension's crash or an os._exit() would
+    os._exit(3)
+
+
+def where(responses, answers):  # the process it runs in: its threads, the trainer's torch, the default SIGTERM
+    return [threading.active_count(), "torch" in sys.modules, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL]
+"""
+
+
+@pytest.fixture
+def graders(tmp_path):
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "graders.py").write_text(GRADERS.format(pids=str(tmp_path / "pids")))
+    return tmp_path / "graders.py"
+
+
+def alive(pid):
+    """Whether a process runs (a zombie waiting for its parent does not)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+TIMED_OUT = "an error (TimeoutError: no answer within --reward_timeout 1 s)"
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("shell", TIMED_OUT),  # before: the alarm could not interrupt os.system: the call took the whole 120 s
+        ("popen", TIMED_OUT),  # before: the call timed out, its sleep went on
+        ("threads", TIMED_OUT),  # before: the thread went on in the trainer, and kept it alive at the end
+        ("forgiving", TIMED_OUT),  # before: the zeros it returned were trained on
+        ("lazy", TIMED_OUT),  # before: the generator was read after the alarm was off: the call took 120 s
+        ("own_alarm", "an error (OwnLimit: the grader's own 50 ms limit)"),  # before: its handler was replaced
+        ("crashes", "an error (the process running it ended (exit code 3))"),  # before: the trainer ended with it
+    ],
+    ids=["shell", "popen", "threads", "forgiving", "lazy", "own_alarm", "crashes"],
+)
+def test_a_reward_call_ends_within_its_timeout_with_everything_it_started(graders, name, why):
+    threads_before = threading.active_count()
+    reward_fn = ppo.load_reward_fn(f"{graders}:{name}", 30)
+    started = time.time()
+    scores, reason = ppo.call_reward_fn(reward_fn, ["a response"], ["its answer"], 1)
+    assert time.time() - started < 15
+    assert reason == why
+    assert math.isnan(scores[0])  # no score taken from it
+    assert threading.active_count() == threads_before
+    for path in (graders.parent / "pids").iterdir():
+        assert gone(int(path.read_text())), path.name
+
+
+def gone(pid, seconds=5):
+    """Whether the process ends within a few seconds (SIGKILL is delivered, not waited for)."""
+    deadline = time.time() + seconds
+    while alive(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def test_nothing_a_grader_started_outlives_the_trainer(graders):
+    """The trainer killed with SIGKILL (none of its code runs) while its grader waits on a subprocess: the reward
+    process sees the trainer's end of its stdin close and kills its group (before: the subprocess lived on)."""
+    call = f"import ppo; ppo.call_reward_fn(ppo.load_reward_fn({str(graders)!r} + ':popen', 0), ['a'], [1], 0)"
+    trainer = subprocess.Popen([sys.executable, "-c", call], cwd=ROOT, env=ENV)
+    started = graders.parent / "pids" / "popen"
+    while not started.exists() or not started.read_text():
+        assert trainer.poll() is None
+        time.sleep(0.05)
+    trainer.kill()
+    trainer.wait()
+    assert gone(int(started.read_text()))
+
+
+def test_a_stop_signal_ends_a_reward_call_at_once_whatever_the_timeout(graders):
+    """SIGTERM or Ctrl-C (a signal in stops) while the grader hangs, under the default 600 s timeout: the call is
+    left within a second, its process killed; the next call starts a fresh one."""
+    reward_fn = ppo.load_reward_fn(f"{graders}:popen", 600)
+    stops = []
+    threading.Timer(0.5, stops.append, [signal.SIGTERM]).start()
+    started = time.time()
+    scores, reason = ppo.call_reward_fn(reward_fn, ["a", "b"], [1, 2], 600, stops)
+    assert time.time() - started < 5
+    assert reason == "stopped by a signal"
+    assert reward_fn.process is None
+    assert ppo.call_reward_fn(reward_fn, ["a"], [1], 1)[1] == TIMED_OUT  # a fresh process, killed again
+
+
+def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_handlers):
+    """A grader's process pool forks the process the grader runs in. Forked from the trainer, its workers had the
+    trainer's SIGTERM handler until an at-fork hook put the default back: a worker not yet run when the pool ended
+    swallowed the pool's SIGTERM, and Pool.__exit__ waited for it forever (2 of 25 runs, on a loaded machine); a
+    fork also copies locks the trainer's other threads hold. The grader runs in a fresh interpreter: no torch, the
+    default SIGTERM, and no other thread (what waits for the trainer's end is a process of its own)."""
+    ppo.catch_stop_signals()  # the trainer's handlers
+    other_thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # the trainer has other threads
+    other_thread.start()
+    assert "torch" in sys.modules
+    scores = ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where", 10), ["a", "b", "c"], [1, 2, 3], 10)
+    assert scores == ([1.0, 0.0, 1.0], None)
+
+
+def test_a_reward_process_started_again_runs_the_code_the_run_began_with(graders, tmp_path):
+    """The reward process is sent this file's functions as source. After a timeout or a stop it is started again,
+    and by then the file may have been edited (a git pull during a long run): the program read from the file then, at
+    line numbers that no longer hold, did not compile, and the trainer died of the reset connection. It is read
+    once, when the run begins."""
+    copy = tmp_path / "trainer_copy.py"
+    copy.write_text((pathlib.Path(ROOT) / "ppo.py").read_text())
+    found = importlib.util.spec_from_file_location("trainer_copy", copy)
+    trainer = importlib.util.module_from_spec(found)
+    found.loader.exec_module(trainer)
+    reward_fn = trainer.load_reward_fn(f"{graders}:where", 10)
+    first = trainer.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], 10)
+    copy.write_text("# edited while the run goes on\n" * 7 + copy.read_text())
+    reward_fn.kill()  # as a timeout or a stop does: the next call starts a new process
+    assert trainer.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], 10) == first == ([1.0, 0.0, 1.0], None)
+    reward_fn.kill()
+
+
+def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_pools(tmp_path):
+    """A user's math.py and numpy.py replace neither module, here or in the grader's process; two grader.py in two
+    folders are two modules, each pickled by a process pool as itself. Their folders are not put on sys.path here."""
+    pooled = (
+        "import multiprocessing\n"
+        "import math\n"
+        "def one(pair):\n"
+        "    return math.sqrt({value}) * len(pair[0])\n"
+        "def score(responses, answers):\n"
+        "    with multiprocessing.Pool(2) as pool:\n"
+        "        return pool.map(one, list(zip(responses, answers)))\n"
+    )
+    folders = {}
+    for name, value in (("math", 4), ("numpy", 9), ("grader", 16), ("other/grader", 25)):
+        path = tmp_path / f"{name}.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(pooled.format(value=value))
+        folders[name] = path
+    path_before = list(sys.path)
+    texts = ["a", "bb", "ccc"]
+    for name, value in (("math", 4), ("numpy", 9), ("grader", 16), ("other/grader", 25)):
+        reward_fn = ppo.load_reward_fn(f"{folders[name]}:score", 30)
+        expected = [value**0.5 * len(t) for t in texts]
+        assert ppo.call_reward_fn(reward_fn, texts, [1, 2, 3], 30) == (expected, None), name
+    assert sys.modules["math"].sqrt(4) == 2.0
+    assert sys.modules["numpy"] is numpy
+    assert sys.path == path_before
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(reward_timeout=1e-9), "--reward_timeout must be 0 (no limit) or from 0.1 s"),
+        (dict(reward_timeout=1e10), "--reward_timeout must be 0 (no limit) or from 0.1 s"),
+        (
+            dict(reward_fn=("a/grader.py:score", "b/grader.py:score")),
+            "--reward_fn gives two functions one name, and each logs its scores as reward/<name>; rename one",
+        ),
+    ],
+    ids=["timeout 1e-9", "timeout 1e10", "two functions of one name"],
+)
+def test_reward_options_out_of_range_are_refused_in_one_sentence(changes, message):
+    args = ppo.Args(**changes)
+    with pytest.raises(SystemExit, match="^" + re.escape(message)):
+        ppo.check_common_args(args, args.rollout_batch_size)
+
+
+HANGS_AT_IMPORT = """
+import os
+import subprocess
+import time
+
+if os.path.exists({mark!r}):  # loaded before: its service is down now, and the import waits on a program
+    waiting = subprocess.Popen(["sleep", "120"])
+    open({pid!r}, "w").write(str(waiting.pid))
+    waiting.wait()
+open({mark!r}, "w").close()
+
+
+def score(responses, answers):
+    time.sleep(120)
+"""
+
+
+def test_a_reward_file_whose_import_hangs_is_refused_within_the_timeout(tmp_path):
+    """The grader's service is down when the run begins: loading it is refused within --reward_timeout, and what its
+    import started is killed (before, the start waited on the pipe with no timeout: the run hung before any model)."""
+    (tmp_path / "loaded").write_text("")
+    path = tmp_path / "grader.py"
+    path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
+    started = time.time()
+    with pytest.raises(SystemExit) as refused:
+        ppo.load_reward_fn(f"{path}:score", 3)
+    assert time.time() - started < 15
+    assert refused.value.code == (
+        f"--reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; check what its import "
+        "waits for, or pass a longer --reward_timeout."
+    )
+    assert gone(int((tmp_path / "pid").read_text()))
+
+
+def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_loading(tmp_path):
+    """A call times out and its process is killed; the next call starts it again, and by then the import hangs (the
+    service went down). A stop signal ends that start within a second, a timeout within --reward_timeout, each
+    killing what the import started (before, the start waited on the pipe forever and a SIGTERM did nothing)."""
+    path = tmp_path / "grader.py"
+    path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
+    reward_fn = ppo.load_reward_fn(f"{path}:score", 30)
+    assert ppo.call_reward_fn(reward_fn, ["a"], [1], 1)[1] == TIMED_OUT
+    stops = []
+    stopped_at = []
+
+    def stop_once_the_import_waits():
+        while not (tmp_path / "pid").exists():
+            time.sleep(0.05)
+        stopped_at.append(time.time())
+        stops.append(signal.SIGTERM)
+
+    threading.Thread(target=stop_once_the_import_waits, daemon=True).start()
+    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 600, stops)
+    assert time.time() - stopped_at[0] < 2
+    assert reason == "stopped by a signal"
+    assert math.isnan(scores[0])
+    assert reward_fn.process is None
+    assert gone(int((tmp_path / "pid").read_text()))
+    (tmp_path / "pid").unlink()
+    started = time.time()
+    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 3)
+    assert time.time() - started < 15
+    assert reason == (
+        f"an error (TimeoutError: --reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; "
+        "check what its import waits for, or pass a longer --reward_timeout.)"
+    )
+    assert gone(int((tmp_path / "pid").read_text()))
+
+
+STANDARD_NAMES = "raise ImportError('{where} random.py was imported in place of the standard library\\'s')\n"
+
+
+def test_modules_of_standard_names_in_the_working_folder_or_beside_the_file_shadow_nothing(tmp_path, monkeypatch):
+    """A random.py in the working folder and beside the reward file: the reward process's own imports (tempfile
+    imports random) and the grader's `import random` get the standard library's, and a module beside the file still
+    imports (before, the process died importing the working folder's random.py, and the message blamed the file)."""
+    work = tmp_path / "work"
+    rules = tmp_path / "rules"
+    for folder in (work, rules):
+        folder.mkdir()
+        (folder / "random.py").write_text(STANDARD_NAMES.format(where=folder.name))
+    (rules / "helper.py").write_text("BONUS = 0.5\n")
+    (rules / "grader.py").write_text(
+        "import random\n"
+        "import helper\n"
+        "def score(responses, answers):\n"
+        "    return [helper.BONUS + random.Random(len(r)).random() for r in responses]\n"
+    )
+    monkeypatch.chdir(work)
+    texts = ["a", "bb"]
+    expected = [0.5 + random.Random(len(t)).random() for t in texts]
+    reward_fn = ppo.load_reward_fn(f"{rules / 'grader.py'}:score", 30)
+    assert ppo.call_reward_fn(reward_fn, texts, [1, 2], 30) == (expected, None)
+
+
+# ---------------------------------------------------------------- reward code as people write it, in runs
+
+
+POOLS = """
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from grading import grade  # a module beside this file
+
+
+def one(pair):
+    return grade(*pair)
+
+
+def in_process(responses, answers):
+    return [one(pair) for pair in zip(responses, answers)]
+
+
+def with_a_pool(responses, answers):
+    with multiprocessing.Pool(2) as pool:
+        return pool.map(one, list(zip(responses, answers)))
+
+
+def with_an_executor(responses, answers):
+    with ProcessPoolExecutor(2) as pool:
+        return list(pool.map(one, list(zip(responses, answers))))
+
+
+def takes_its_inputs(responses, answers):
+    scores = in_process(responses, answers)
+    responses.clear()
+    answers.pop()
+    return scores
+
+
+def exits(responses, answers):
+    raise SystemExit(0)
+
+
+def hangs(seconds):  # and says so, with its process id, in a file named "hanging" beside this one
+    with open(os.path.join(os.path.dirname(__file__), "hanging"), "a") as said:
+        said.write(f"{os.getpid()}\\n")
+    time.sleep(seconds)
+
+
+calls = []
+def hangs_once(responses, answers):  # its second call hangs while a file named "hang" is beside it
+    calls.append(len(responses))
+    if len(calls) == 2 and os.path.exists(os.path.join(os.path.dirname(__file__), "hang")):
+        hangs(600)
+    return in_process(responses, answers)
+
+
+def hangs_in_a_pool(responses, answers):  # a grader's worker that never answers
+    with ProcessPoolExecutor(2) as pool:
+        return list(pool.map(hangs, [600] * len(responses)))
+"""
+
+
+@pytest.fixture
+def reward_file(tmp_path):
+    (tmp_path / "grading.py").write_text(
+        "def grade(response, answer):\n    return float(response.strip() == str(answer).strip())\n"
+    )
+    (tmp_path / "pools.py").write_text(POOLS)
+    return tmp_path / "pools.py"
+
+
+def test_reward_functions_with_process_pools_train_as_in_process(reward_file, tmp_path):
+    """A multiprocessing.Pool and a ProcessPoolExecutor over the file's own function (which imports a module beside
+    it) give grpo.py the metrics the same function gives in-process, bitwise; no worker runs the trainer's SIGTERM
+    handler (a pool ends its workers with SIGTERM); a function that empties its inputs changes nothing."""
+    args = cli("grpo.py", total_episodes=24)
+    runs = {}
+    for name in ("in_process", "with_a_pool", "with_an_executor", "takes_its_inputs"):
+        rows, printed = run_script("grpo.py", tmp_path / name, *args, "--reward_fn", f"{reward_file}:{name}")
+        assert "stopping to save" not in printed, name
+        runs[name] = without_timing(rows)
+    assert runs["with_a_pool"] == runs["with_an_executor"] == runs["takes_its_inputs"] == runs["in_process"]
+    assert len(runs["in_process"]) == 3
+
+
+def test_sys_exit_in_reward_code_is_a_reward_failure(reward_file, tmp_path):
+    out = tmp_path / "run"
+    proc = launch("grpo.py", out, [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:exits"])
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1, printed[-3000:]
+    assert "is an error (SystemExit: 0); fix the reward" in printed
+    assert "--resume" in printed
+    assert "Traceback" not in printed
+
+
+def test_a_hung_reward_stops_at_its_timeout_and_the_resumed_run_is_the_one_never_stopped(reward_file, tmp_path):
+    """The reward's second call hangs: past --reward_timeout it is a reward failure (checkpoint-1 and the command to
+    go on). Resumed with the grader fixed, the run's metrics and final weights are those of the run that never hung,
+    bitwise."""
+    args = [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:hangs_once", "--save_every=3"]
+    full, _ = run_script("grpo.py", tmp_path / "full", *args)
+    (tmp_path / "hang").touch()
+    out = tmp_path / "run"
+    started = time.time()
+    proc = launch("grpo.py", out, [*args, "--reward_timeout=2"])
+    printed = proc.communicate(timeout=240)[0]
+    assert proc.returncode == 1, printed[-3000:]
+    assert "Traceback" not in printed, printed[-3000:]
+    assert "is an error (TimeoutError: no answer within --reward_timeout 2 s); fix the reward" in printed
+    assert time.time() - started < 120  # not the 600 s of the hang
+    command = printed.split("to go on:\n")[1].splitlines()[0].strip()
+    assert command.endswith(f"--resume {out / 'checkpoint-1'}")
+    (tmp_path / "hang").unlink()
+    result = finished([sys.executable, *shlex.split(command)[1:]])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert without_timing(read_rows(out)) == without_timing(full)
+    assert_bitwise_equal(final_state(out, 3), final_state(tmp_path / "full", 3))
+
+
+def test_sigterm_stops_a_run_whose_reward_hangs_within_seconds_whatever_the_timeout(reward_file, tmp_path):
+    """SIGTERM while the grader hangs, in its process or in a process pool's worker, under the default 600 s
+    --reward_timeout: the run leaves the call within a second, saves the state before the rollout and ends with the
+    command that goes on (before: only once the timeout rang); no process of the grader is left behind."""
+    (tmp_path / "hang").touch()
+    for name, iteration in (("hangs_once", 1), ("hangs_in_a_pool", 0)):  # its second call hangs; its first
+        out = tmp_path / name
+        proc = launch("grpo.py", out, [*cli("grpo.py", total_episodes=24), "--reward_fn", f"{reward_file}:{name}"])
+        wait_for(lambda: (tmp_path / "hanging").exists() and (tmp_path / "hanging").read_text().endswith("\n"), proc)
+        hung = [int(pid) for pid in (tmp_path / "hanging").read_text().split()]
+        (tmp_path / "hanging").unlink()
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.time()
+        printed = proc.communicate(timeout=240)[0]
+        assert time.time() - signalled < 15, name
+        assert proc.returncode == 128 + signal.SIGTERM, printed[-3000:]
+        assert "SIGTERM: stopping to save" in printed, printed[-3000:]
+        assert f"stopped after iteration {iteration}; to go on:" in printed
+        assert "Traceback" not in printed, printed[-3000:]
+        assert not any(alive(pid) for pid in hung), name  # killed with the grader's process, not handed to init
