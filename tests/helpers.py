@@ -3,6 +3,7 @@ hub-kernel default) or in this process, stopping and resuming it, comparing runs
 the check that rlhf_kernels' static decode loop samples what generate's plain loop samples."""
 
 import contextlib
+import importlib
 import io
 import json
 import math
@@ -99,14 +100,16 @@ def run_script(script, out, *args):
     return read_rows(out), result.stdout + result.stderr
 
 
-def run_main(script, out, *args):
-    """run_script's run in this process: the script's main on the options as its command line parses them, from the
-    repository root, its output captured (warnings too) and pytest's signal handlers given back. The same rows,
-    bitwise, without a fresh interpreter's seconds of imports; for tests of what a run computes, not of how a
-    process starts or ends (a failure is the SystemExit main raises)."""
-    module = MODULES.get(script) or __import__(script[:-3])
-    args = tyro.cli(module.Args, args=["--output_dir", str(out), *args], use_underscores=True)
+def in_process(script, argv):
+    """The script's main on the command line argv, in this process, as `python script argv...` would run it from the
+    repository root; returns what it printed (its warnings too), pytest's signal handlers given back. The same run,
+    bitwise, without a fresh interpreter's seconds of imports: for tests of what a run computes, not of how a process
+    starts or ends (a failure is the SystemExit main raises)."""
+    module = MODULES.get(script) or importlib.import_module(script.removesuffix(".py"))
+    args = tyro.cli(module.Args, args=argv, use_underscores=True)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    command_line = sys.argv
+    sys.argv = [os.path.join(ROOT, script), *argv]  # what a stopped run prints to go on
     printed = io.StringIO()
     try:
         with contextlib.chdir(ROOT), warnings.catch_warnings(record=True) as warned:
@@ -114,10 +117,16 @@ def run_main(script, out, *args):
             with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
                 module.main(args)
     finally:
+        sys.argv = command_line
         for s, handler in handlers.items():
             signal.signal(s, handler)
-    said = "".join(f"{w.category.__name__}: {w.message}\n" for w in warned)
-    return read_rows(out), printed.getvalue() + said
+    return printed.getvalue() + "".join(f"{w.category.__name__}: {w.message}\n" for w in warned)
+
+
+def run_main(script, out, *args):
+    """run_script's run in this process (in_process): the rows of its metrics.jsonl and what it printed."""
+    printed = in_process(script, ["--output_dir", str(out), *args])
+    return read_rows(out), printed
 
 
 def torchrun(script, out, *args, processes=2):
@@ -251,12 +260,13 @@ script["main"](script["tyro"].cli(script["Args"], use_underscores=True))
 
 
 def resume_as_printed(printed, checkpoint):
-    """The command a stopped run printed, which must resume the given checkpoint, run as printed."""
+    """The command a stopped run printed, which must resume the given checkpoint, run in this process (in_process);
+    returns what the resumed run printed. The stop tests of test_checkpoints.py run such a command as a subprocess."""
     command = printed.split("to go on:\n")[1].splitlines()[0].strip()
     assert command.endswith(f"--resume {checkpoint}"), command
-    result = finished([sys.executable, *shlex.split(command)[1:]])
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout + result.stderr
+    python, script, *argv = shlex.split(command)
+    assert python == "python"
+    return in_process(os.path.relpath(script, ROOT), argv)
 
 
 # ---------------------------------------------------------------- two processes against one

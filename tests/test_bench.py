@@ -448,8 +448,10 @@ def run_bench(tmp_path, *args):
 
 
 def test_smoke_run_of_our_side(tmp_path):
-    rows = run_bench(tmp_path, "--sides=ours")
-    assert sorted(rows) == ["grpo", "ppo", "rloo"]
+    """One algorithm's row, ppo.py's (the most steps an iteration): each algorithm's command and step count are the
+    tests above, by hand."""
+    rows = run_bench(tmp_path, "--sides=ours", "--algorithms=ppo")
+    assert sorted(rows) == ["ppo"]
     for algorithm, row in rows.items():
         # ours timed, no TRL side
         assert float(row[3]) > 0

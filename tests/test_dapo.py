@@ -20,7 +20,7 @@ from helpers import (
     launch,
     read_rows,
     resume_as_printed,
-    run_script,
+    run_main,
     run_torchrun,
     without_timing,
 )
@@ -205,7 +205,7 @@ def test_a_stop_in_a_later_sampling_round_resumes_bitwise(tmp_path):
     resumed it is the run whose reward never failed, to its Adam states."""
     script = "dapo.py"
     args = [*cli(script), *ARITHMETIC, *DYNAMIC]
-    full, _ = run_script(script, tmp_path / "full", *args)
+    full, _ = run_main(script, tmp_path / "full", *args)
     rounds = rounds_of(full)
     assert len(rounds) == 6
     assert max(rounds) > 1  # a round drawn again
@@ -237,7 +237,7 @@ def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):
     ]
     one = tmp_path / "one"
     two = tmp_path / "two"
-    rows_one, _ = run_script("dapo.py", one, *common("dapo.py", held_out), *options)
+    rows_one, _ = run_main("dapo.py", one, *common("dapo.py", held_out), *options)
     rows_two = run_torchrun("dapo.py", two, *common("dapo.py", held_out), *options)
     assert_rows_agree(rows_two, rows_one)
     assert_same_model(two, one)

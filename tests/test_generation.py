@@ -1,17 +1,31 @@
 """Sampling and the log-probs it records (shared code, through ppo.py's copy): the log-probs recorded while sampling
 equal a teacher-forced forward, the samples follow the tempered softmax, a response does not depend on its batch,
 rlhf_kernels' static decode loop samples what the plain loop samples, and the log-probs equal plain torch's and are 0
-past each response's end."""
+past each response's end. The GPU-only paths of that loop, shown on the CPU: its cache holds bf16 keys under
+--mixed_precision (autocast on the CPU as on a GPU), and a failed CUDA-graph capture (torch.cuda made to fail it)
+hands back the stream it found."""
 
+import contextlib
 import json
 import os
+import sys
 
 import pytest
 import torch
-from helpers import ROOT, assert_static_decode_matches_dynamic, left_padded_prompts, tiny_llama_config
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from helpers import (
+    FAMILIES,
+    ROOT,
+    assert_static_decode_matches_dynamic,
+    left_padded_prompts,
+    tiny_llama_config,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM, Qwen2ForCausalLM
 
 import ppo
+from rlhf_kernels import decode
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from memory_accounting import kv_cache_bytes  # noqa: E402
 
 # the tiny Llama's (helpers.tiny_llama_config)
 PAD = 0
@@ -151,3 +165,125 @@ def test_response_logprobs_are_zero_past_the_end_at_a_low_temperature():
     assert (entropy[0, 2:] == 0).all()
     assert torch.allclose(logprobs[0, :2], alone[0], atol=1e-5)
     assert torch.isfinite(logprobs).all()
+
+
+# ---------------------------------------------------------------- the static decode loop's cache and capture
+
+
+TINY_LLAMA = os.path.join(ROOT, "assets", "tiny-sft")
+
+
+def tiny_qwen2(folder):
+    """A random two-layer Qwen2 (Qwen2.5's family: biased q, k, v) of the embedded vocabulary, saved in folder."""
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(FAMILIES["qwen2"]()).save_pretrained(folder)
+    return str(folder)
+
+
+def prompts():
+    """Three left-padded prompts of the embedded tokenizer's ids (pad 1)."""
+    return ppo.left_pad([[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1, "cpu")
+
+
+def prefill(policy, prompt_ids, prompt_mask):
+    """generate's prefill: its cache and the last position's logits."""
+    cache = DynamicCache()
+    out = policy(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=ppo.position_ids_from(prompt_mask),
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return cache, out.logits[:, -1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_keys_are_cached_in_bf16_under_mixed_precision(family, tmp_path):
+    """--mixed_precision in one process: float32 weights under bf16 autocast. The keys and values of the prefill's
+    cache and of rlhf_kernels' static decode loop's are bf16, and the static cache holds what bench/memory_accounting.py
+    accounts (layers x 2 x KV heads x head size x 2 bytes per position); the float32 trunk's rotary cos and sin made
+    the keys float32 before."""
+    path = TINY_LLAMA if family == "llama" else tiny_qwen2(tmp_path / "qwen2")
+    policy = ppo.load_model(AutoModelForCausalLM, path, ppo.Args(mixed_precision=True), "cpu", trained=True)
+    assert policy.model.embed_tokens.weight.dtype == torch.float32  # the trunk is float32: autocast does the rest
+    prompt_ids, prompt_mask = prompts()
+    with torch.no_grad():
+        cache = prefill(policy, prompt_ids, prompt_mask)[0]
+    assert [(layer.keys.dtype, layer.values.dtype) for layer in cache.layers] == [(torch.bfloat16,) * 2] * len(
+        cache.layers
+    )
+    sampling = ppo.Sampling(6, 1.0, torch.tensor([0]), 1, kernel_decode=True)
+    ppo.generate(
+        policy, prompt_ids, prompt_mask, sampling, torch.rand(3, 6, generator=torch.Generator().manual_seed(0))
+    )
+    decoder = next(d for key, d in decode.DECODERS.items() if key[0] is policy)
+    layers = decoder.cache.layers
+    assert {layer.keys.dtype for layer in layers} | {layer.values.dtype for layer in layers} == {torch.bfloat16}
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in layers)
+    assert held == kv_cache_bytes(policy.config.to_dict(), 3, decoder.width)
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+
+    def wait_stream(self, other):
+        pass
+
+
+def test_a_failed_capture_restores_the_stream_it_found(monkeypatch):
+    """torch.cuda on the CPU, the capture made to fail as torch 2.13's torch.cuda.graph fails in capture_begin: its
+    stream made current on entry, the error raised before the exit that would restore it. rlhf_kernels' decoder warns,
+    runs every step op by op (the tokens of its steps uncaptured), and the stream current afterwards is the one it
+    found."""
+    current = [FakeStream("found")]
+
+    def set_stream(stream):
+        current[0] = stream
+
+    @contextlib.contextmanager
+    def using(stream):
+        before = current[0]
+        current[0] = stream
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    class FailingCapture:
+        def __init__(self, graph, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current[0] = self.stream
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    policy = AutoModelForCausalLM.from_pretrained(TINY_LLAMA).eval()
+    prompt_ids, prompt_mask = prompts()
+    uniforms = torch.rand(3, 6, generator=torch.Generator().manual_seed(1))
+    sampling = ppo.Sampling(6, 1.0, torch.tensor([0]), 1, kernel_decode=True)
+    expected = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
+    for name, value in [
+        ("Stream", lambda: FakeStream("capture")),
+        ("CUDAGraph", object),
+        ("current_stream", lambda: current[0]),
+        ("set_stream", set_stream),
+        ("stream", using),
+        ("graph", FailingCapture),
+    ]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    with torch.no_grad():
+        cache, logits = prefill(policy, prompt_ids, prompt_mask)
+        next_position = ppo.position_ids_from(prompt_mask)[:, -1:] + 1
+        decoder = decode.StaticDecoder(policy, logits, 64, sampling, ppo.sample_token, capture=True)  # as on a GPU
+        with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
+            got = decoder.run(policy, cache, logits, prompt_mask, next_position, uniforms, 1.0)
+    assert current[0].name == "found"
+    assert decoder.graphs == {(1.0, False): None}  # not tried again
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[2], expected[2])

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import GROUPS_OF_EIGHT, ROOT, run_script
+from helpers import GROUPS_OF_EIGHT, ROOT, run_main
 from transformers import AutoModelForCausalLM
 
 import grpo
@@ -230,7 +230,7 @@ def test_bad_arguments(kw, message, tmp_path):
 
 def run_grpo(tmp_path, *extra):
     out = tmp_path / "run"
-    rows, _ = run_script("grpo.py", out, *GROUPS_OF_EIGHT, "--total_episodes=64", *extra)  # two iterations
+    rows, _ = run_main("grpo.py", out, *GROUPS_OF_EIGHT, "--total_episodes=64", *extra)  # two iterations
     return out, rows
 
 

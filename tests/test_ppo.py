@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, left_padded_prompts, run_script, tiny_llama_config
+from helpers import ROOT, left_padded_prompts, run_main, tiny_llama_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import ppo
@@ -296,7 +296,7 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
 def run_ppo(tmp_path, *extra):
     out = tmp_path / "run"
     sizes = ["--rollout_batch_size=8", "--minibatch_size=4", "--micro_batch_size=2", "--num_epochs=2"]
-    rows, output = run_script("ppo.py", out, *sizes, "--total_episodes=16", "--response_length=8", *extra)
+    rows, output = run_main("ppo.py", out, *sizes, "--total_episodes=16", "--response_length=8", *extra)
     return out, rows, output
 
 
@@ -363,8 +363,8 @@ def test_smoke_run_with_rule_reward(tmp_path):
 def test_a_run_with_a_shared_backbone(tmp_path):
     sizes = ["--rollout_batch_size=8", "--minibatch_size=8", "--micro_batch_size=4", "--num_epochs=2"]
     args = [*sizes, "--total_episodes=16", "--response_length=8", "--eval_every=0"]  # two iterations
-    rows, _ = run_script("ppo.py", tmp_path / "shared", "--shared_backbone", *args)
-    plain, _ = run_script("ppo.py", tmp_path / "plain", *args)
+    rows, _ = run_main("ppo.py", tmp_path / "shared", "--shared_backbone", *args)
+    plain, _ = run_main("ppo.py", tmp_path / "plain", *args)
     assert [r["iteration"] for r in rows] == [1, 2]
     # the head starts at V = 0 and is trained
     assert rows[0]["val/mean"] == 0.0

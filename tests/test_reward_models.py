@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import ROOT, run_script, tiny_llama_config, tiny_run
+from helpers import ROOT, run_main, tiny_llama_config, tiny_run
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
@@ -151,7 +151,7 @@ def test_ppos_critic_cannot_start_from_a_reward_model_on_another_tokenizer(other
 
 def test_rloo_runs_with_a_reward_model_on_another_tokenizer(other_rm, tmp_path):
     options = tiny_run("rloo.py", total_episodes=16, response_length=8, eval_every=0)
-    rows, _ = run_script("rloo.py", tmp_path, "--reward_model_path", other_rm, *options)
+    rows, _ = run_main("rloo.py", tmp_path, "--reward_model_path", other_rm, *options)
     assert [r["iteration"] for r in rows] == [1, 2]  # 16 episodes of 8 responses an iteration (tiny_run)
     assert all(torch.isfinite(torch.tensor([r["objective/score"], r["objective/kl"]])).all() for r in rows)
 

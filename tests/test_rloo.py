@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers import run_script
+from helpers import run_main
 
 import rloo
 
@@ -65,7 +65,7 @@ def test_bad_arguments(tmp_path):
 
 def run_rloo(tmp_path, *extra):
     sizes = ["--rollout_batch_size=4", "--num_generations=4", "--minibatch_size=16", "--micro_batch_size=8"]
-    return run_script("rloo.py", tmp_path / "run", *sizes, "--total_episodes=32", "--response_length=8", *extra)[0]
+    return run_main("rloo.py", tmp_path / "run", *sizes, "--total_episodes=32", "--response_length=8", *extra)[0]
 
 
 def test_smoke_run_on_embedded_default(tmp_path):
