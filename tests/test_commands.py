@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -144,44 +145,44 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
     assert any(r["reward/bare_number"] > 0 for r in rows)
 
 
+def main_block(script, *argv):
+    """The script's `if __name__ == "__main__":` block on the command line argv, in this process (the file executed
+    afresh, as `python script argv...` would); returns its exit status. What it prints is the test's capsys's."""
+    command_line = sys.argv
+    sys.argv = [os.path.join(ROOT, script), *argv]
+    try:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    except SystemExit as e:
+        return e.code
+    finally:
+        sys.argv = command_line
+    return 0
+
+
 @pytest.mark.parametrize("script", ["ppo.py"])
-def test_the_seed_help_says_what_the_code_does(script):
+def test_the_seed_help_says_what_the_code_does(script, capsys):
     """Every process seeds its generators with --seed itself (torch.manual_seed(args.seed) in main, the sampling
     generators from seed and iteration alone): the help must not say a rank is added. --seed's field and main's set-up
     block are shared pieces (test_code.py keeps every copy identical): one script's help says it for all."""
-    result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, script), "--help"],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    text = " ".join(result.stdout.split())
+    assert main_block(script, "--help") == 0
+    text = " ".join(capsys.readouterr().out.split())
     seed_help = text[text.index("--seed") :][:200]
     assert "the same on every process" in seed_help
     assert "rank" not in seed_help
     assert "torch.manual_seed(args.seed)" in open(os.path.join(ROOT, script)).read()
 
 
-def test_computed_fields_are_not_options_and_trls_num_iterations_is_named(tmp_path):
+def test_computed_fields_are_not_options_and_trls_num_iterations_is_named(tmp_path, capsys):
     """--num_iterations is computed from --total_episodes (and --world_size from torchrun); a TRL user's
     --num_iterations, TRL's passes over each rollout, is refused naming --num_epochs instead of being ignored."""
     for given in (["--num_iterations", "4"], ["--num_iterations=4"]):
-        done = subprocess.run(
-            [sys.executable, "grpo.py", "--output_dir", str(tmp_path / "run"), *given],
-            cwd=ROOT,
-            env=ENV,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 1
-        assert "--num_iterations (TRL's passes over each rollout) is --num_epochs here" in done.stderr
+        assert main_block("grpo.py", "--output_dir", str(tmp_path / "run"), *given) == 1
+        assert "--num_iterations (TRL's passes over each rollout) is --num_epochs here" in capsys.readouterr().err
         assert not (tmp_path / "run").exists()
-    shown = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True)
-    assert "--total_episodes" in shown.stdout
-    assert "--num_iterations" not in shown.stdout and "--world_size" not in shown.stdout
+    assert main_block("grpo.py", "--help") == 0
+    shown = capsys.readouterr().out
+    assert "--total_episodes" in shown
+    assert "--num_iterations" not in shown and "--world_size" not in shown
 
 
 # ---------------------------------------------------------------- a script copied alone
