@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, fields
@@ -109,7 +110,7 @@ class Args:
     reward_model_path: tuple[str, ...] = ()
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ("arithmetic",)
-    """rules, weighted, added to the reward models' minimum: arithmetic (exact answer), gsm8k (last number), f.py:fn"""
+    """rules, weighted, added to the reward models' minimum: arithmetic, gsm8k, or f.py:fn (TRL's, verl's forms too)"""
     reward_weights: tuple[float, ...] = ()
     """the weight of each --reward_fn, in order (none given: 1 each)"""
 
@@ -164,7 +165,7 @@ class Args:
     chat_template: bool = False
     """render each text prompt as one user message through the tokenizer's chat template (chat messages always are)"""
     answer_field: str = "answer"
-    """the dataset column holding the reference answer (rule rewards only)"""
+    """the column of the reference answers (for the rules); a.b reads a nested one (verl's reward_model.ground_truth)"""
     max_prompt_length: int = 64
     """longest prompt in tokens"""
     truncate_prompts: bool = False
@@ -509,7 +510,7 @@ def main(args):
     reward_fns = load_reward_fns(args)  # your functions each started in a process of its own
     find_checkpoint(args)  # --resume: which checkpoint to go on from
     torch.manual_seed(args.seed)  # the same on every process: new weights (a head, adapters) start the same
-    tokenizer, prompts, rows, held_out, sampling = load_task(args, device)
+    tokenizer, prompts, rows, held_out, sampling = load_task(args, device, reward_fns)
     # <<< shared: set-up
     G = args.num_generations
     responses_per_iteration = args.rollout_batch_size * G
@@ -528,7 +529,7 @@ def main(args):
     log = Log(args, state, rank, tokenizer)
     stops = catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
     if held_out[0] and not args.resume:  # the starting policy's score: the curves' first point
-        log.evaluation(evaluate(policy, scorer, sampling, held_out, args, stops), state)
+        log.evaluation(evaluate(policy, scorer, sampling, held_out, state["iteration"], args, stops), state)
         stop_if_asked(stops, state, models, optimizers, args)
     # <<< shared: outputs and the starting policy's held-out score
 
@@ -548,7 +549,9 @@ def main(args):
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
         clock.lap("generate")
-        scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
+        scores = score_responses(
+            scorer, input_ids, attention_mask, P, [rows[i] for i in idx], state["iteration"], args, stops
+        )
         has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
         stop_if_asked(stops, state, models, optimizers, args)  # a failed reward, a signal: the state before step 1
@@ -652,6 +655,7 @@ def main(args):
         # <<< shared: dashboard
         m["objective/group_reward_std"] = global_mean(group_std)
         m["adv/zero_signal_fraction"] = global_mean(zero_signal)
+        m["health/zero_signal"] = m["adv/zero_signal_fraction"]  # of the groups drawn: all of them here
         m["adv/abs_mean"] = global_mean(advantages.abs())
         if ref_policy is not None:  # nats per response, as in ppo.py
             m["objective/kl"] = global_mean(((logprobs_old - logprobs_ref) * response_mask).sum(1))
@@ -660,7 +664,7 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, scorer, sampling, held_out, args, stops))
+            m.update(evaluate(policy, scorer, sampling, held_out, iteration, args, stops))
         log.iteration(m, state, prompt_ids, scores.texts, scores.raw)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
@@ -717,8 +721,9 @@ class Sampling:
     kernel_decode: bool = False
 
 
-def load_task(args, device):
-    """The tokenizer, prompts and rows, held-out (prompts, rows) and how to sample, before any model loads."""
+def load_task(args, device, reward_fns=()):
+    """The tokenizer, prompts and rows, held-out (prompts, rows) and how to sample, before any model loads; the
+    columns your reward functions read checked against each dataset's."""
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, padding_side="left")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of '{args.model_name_or_path}' has no EOS token; set and save one.")
@@ -731,10 +736,12 @@ def load_task(args, device):
     kernel_decode = args.decode == "auto" and one_gpu and static_decode is not None
     sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, kernel_decode)
     prompts, rows = load_prompts(args.dataset, args.dataset_split, args, tokenizer)
+    check_reward_columns(reward_fns, rows, args.dataset, args)
     eval_path = held_out_dataset(args)
     held_out = ([], [])
     if eval_path:
         held_out = load_prompts(eval_path, args.eval_split, args, tokenizer)
+        check_reward_columns(reward_fns, held_out[1], eval_path, args)
     elif args.eval_every:
         message = f"--eval_every {args.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
         warnings.warn(message, stacklevel=2)
@@ -1115,7 +1122,7 @@ def load_prompts(path, split, args, tokenizer):
                 f"dataset '{path}' has no '{args.prompt_field}' column in row {n} (it has "
                 f"{has or type(row).__name__}); pass --prompt_field with the column of the prompts."
             )
-        answer = row.get(args.answer_field)
+        answer = answer_of(row, args.answer_field)
         if REWARD_FNS.keys() & set(args.reward_fn) and answer is None:  # yours may need none
             raise SystemExit(
                 f"--reward_fn {' '.join(args.reward_fn)} needs an answer column, but row {n} of "
@@ -1241,9 +1248,10 @@ class Scores:
 
 
 @torch.no_grad()
-def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None):
+def score_responses(scorer, input_ids, attention_mask, P, rows, step, args, stops=None):
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
-    plus the rules' weighted sum. A failed reward is a reason to stop (in stops), or replaced (--on_reward_error)."""
+    plus the rules' weighted sum (step: the iterations done). A failed reward is a reason to stop (in stops), or
+    replaced (--on_reward_error); a rule's None is "does not apply", as in TRL."""
     texts = scorer.tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
     last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     size = args.micro_batch_size
@@ -1262,27 +1270,48 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
             )  # (B, 1)
             rm_scores.append(last_column[:, 0])
     rules = {}  # {name: (B,) its scores, nan where it failed}
+    scored = {}  # {name: (B,) False where it returned None}
     failures = []  # ((B,) scores, why) of each rule, why None where nothing failed
-    answers = [row.get(args.answer_field) for row in rows]
+    real = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]  # each prompt and response, unpadded
+    lengths = attention_mask[:, P:].sum(1).tolist()  # (B,) each response's tokens
+    batch = dict(  # what a reward function may read, B of each: reward_reply passes what its form takes
+        responses=texts,
+        answers=[answer_of(row, args.answer_field) for row in rows],
+        prompts=[row.get(args.prompt_field) for row in rows],  # as the data holds them: text or messages
+        prompt_texts=scorer.tokenizer.batch_decode([x[: len(x) - n] for x, n in zip(real, lengths)]),
+        queries=scorer.tokenizer.batch_decode(real),  # the prompt and response as the policy saw them
+        completion_ids=[x[len(x) - n :].tolist() for x, n in zip(real, lengths)],
+        columns=[{k: v for k, v in row.items() if k != args.prompt_field} for row in rows],
+        step=step,
+        max_steps=args.num_iterations,
+    )
     for spec, fn in scorer.reward_fns:
         name = spec.rpartition(":")[2]
-        scores, why = call_reward_fn(fn, texts, answers, args.reward_timeout, stops)
-        rules[name] = torch.tensor(scores, device=input_ids.device)
+        got, why = call_reward_fn(fn, batch, args.reward_timeout, stops)
+        scored[name] = torch.tensor([x is not None for x in got], device=input_ids.device)
+        rules[name] = torch.tensor([float("nan") if x is None else x for x in got], device=input_ids.device)
         if why is not None and len(scorer.reward_fns) > 1:  # which rule failed
             why = f"{why} (--reward_fn {spec})"
-        failures.append((rules[name], why))
-    rule_reward = None  # (B,) the rules' weighted sum
+        failures.append((torch.where(scored[name], rules[name], 0.0), why))
+    rule_reward = None  # (B,) the rules' weighted sum over those that scored each response, as TRL's
     if rules:
         weights = args.reward_weights or [1.0] * len(rules)
-        rule_reward = functools.reduce(torch.add, [w * x for w, x in zip(weights, rules.values())])
+        terms = [torch.where(scored[name], w * x, 0.0) for w, (name, x) in zip(weights, rules.items())]
+        rule_reward = functools.reduce(torch.add, terms)
+        unscored = ~functools.reduce(torch.logical_or, scored.values())  # (B,) no rule scored it: it counts 0
+        if unscored.any():
+            message = "a response that no --reward_fn scored (each returned None) counts 0, as in TRL"
+            warnings.warn(f"{message}; health/unscored_rewards logs their share.", stacklevel=2)
     score = combine_scores(rm_scores, rule_reward)
     score, failed = replace_failed_scores(score, failures, texts, scorer.tokenizer, input_ids[:, :P], args, stops)
     metrics = {}
     if rules:
         metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
-    if len(rules) > 1:
+    if len(rules) > 1:  # nan where a rule returned None: each mean is over the responses it scored
         for name, x in rules.items():
-            metrics[f"reward/{name}"] = x.nan_to_num(0.0)
+            metrics[f"reward/{name}"] = torch.where(scored[name], x.nan_to_num(0.0), float("nan"))
+    if rules:  # the share of responses that no rule scored
+        metrics["health/unscored_rewards"] = unscored.float()
     return Scores(score, metrics, texts, failed)
 
 
@@ -1348,8 +1377,8 @@ def load_reward_fns(args):
 
 
 def load_reward_fn(spec, timeout):
-    """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function,
-    fn(texts, answers) -> a float each, loaded in a RewardProcess of its own within timeout seconds (0: no limit)."""
+    """A --reward_fn: a built-in (run here: this file's pure functions), or file.py:function or module:function in
+    one of reward_form's forms, loaded in a RewardProcess of its own within timeout seconds (0: no limit)."""
     if spec in REWARD_FNS:
         return REWARD_FNS[spec]
     where, _, name = spec.rpartition(":")
@@ -1362,17 +1391,23 @@ def load_reward_fn(spec, timeout):
     failures = [f for f in all_processes(process.start(timeout, None)) if f]  # any process's: every one stops
     if failures:
         raise SystemExit(failures[0][1])
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"--reward_fn {spec}: {process.form} form")
     return process
 
 
 class RewardProcess:
     """Your --reward_fn in a fresh interpreter (never a fork of this one, whose threads may hold locks), in a process
-    group of its own that a timeout or a stop kills whole; started again at the next call; it ends with the trainer."""
+    group of its own that a timeout or a stop kills whole; started again at the next call; it ends with the trainer.
+    form: the project whose form the function is in (reward_form); required: the arguments it names without a
+    default."""
 
     def __init__(self, spec):
         self.spec = spec
         self.process = None
         self.connection = None
+        self.form = None
+        self.required = []
 
     def start(self, timeout, stops):
         """Starts the process and loads the function there, bounded as a call: None, or (kind, the sentence why not)."""
@@ -1385,24 +1420,25 @@ class RewardProcess:
         )
         theirs.close()
         self.connection = ours
-        kind, why = self.ask((sys.path, self.spec), timeout, stops)
+        kind, got = self.ask((sys.path, self.spec), timeout, stops)
         if kind == "loaded":
+            self.form, self.required = got
             return None
         if self.process is not None:  # resolve_reward_fn's sentence: the process ends
             self.kill()
         if kind == "timeout":  # a grader whose import waits for a service that is down
-            why = f"loading it gave {why}; check what its import waits for, or pass a longer --reward_timeout."
-        return kind, f"--reward_fn {self.spec}: {why}"
+            got = f"loading it gave {got}; check what its import waits for, or pass a longer --reward_timeout."
+        return kind, f"--reward_fn {self.spec}: {got}"
 
-    def call(self, texts, answers, timeout, stops):
-        """ask's answer to (texts, answers), the process started first where it is not."""
+    def call(self, batch, timeout, stops):
+        """ask's answer to batch (score_responses'), the process started first where it is not."""
         if stops and any(isinstance(r, int) for r in stops):  # the run is stopping: no call begins
             return "stopped", None
         if self.process is None:
             failed = self.start(timeout, stops)
             if failed:
                 return failed
-        return self.ask((texts, answers), timeout, stops)
+        return self.ask(batch, timeout, stops)
 
     def ask(self, message, timeout, stops):
         """Sends message and gives the process's answer, or ("stopped", None) as soon as stops holds a signal,
@@ -1438,7 +1474,8 @@ class RewardProcess:
 def reward_process_code():
     """The reward process's program: the functions of this file that it runs, as they were when the run began."""
     imports = "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
-    shipped = (reward_module, resolve_reward_fn, reward_reply, serve_rewards)
+    imports += ", types"
+    shipped = (reward_module, resolve_reward_fn, reward_form, reward_reply, call_in_form, call_with, serve_rewards)
     return "\n".join([imports, *map(inspect.getsource, shipped)])
 
 
@@ -1456,7 +1493,8 @@ def reward_module(path):
 
 
 def resolve_reward_fn(spec):
-    """In the reward process: (the function spec names, None), or (None, why not: start puts the --reward_fn first)."""
+    """In the reward process: (the function spec names, its form), or (None, why not: start puts the --reward_fn
+    first)."""
     where, _, name = spec.rpartition(":")
     try:
         if where.endswith(".py"):
@@ -1471,23 +1509,41 @@ def resolve_reward_fn(spec):
     fn = getattr(module, name, None)
     if not callable(fn):
         return None, f"'{where}' has no function '{name}'; name one it defines."
+    form = reward_form(fn)
+    if form is None:
+        return None, (
+            f"{name}{inspect.signature(fn)} is in none of the forms taken: fn(responses, answers) (this project's), "
+            "fn(prompts, completions, **kwargs) (TRL's), compute_score(data_source, solution_str, ground_truth, "
+            "extra_info) (verl's), reward_func(queries, prompts, labels) (OpenRLHF's)."
+        )
+    return fn, form
+
+
+def reward_form(fn):
+    """Whose convention fn is written in, told by its arguments' names: verl's names solution_str, OpenRLHF's
+    queries, TRL's completions (or takes keywords alone), this project's fn(responses, answers); None: no one's."""
+    try:
+        arguments = inspect.signature(fn).parameters
+    except ValueError:  # a callable whose signature cannot be read (a builtin): taken as this project's
+        return "this project's"
+    if "solution_str" in arguments:
+        return "verl's"
+    if "queries" in arguments:
+        return "OpenRLHF's"
+    if "completions" in arguments or [a.kind for a in arguments.values()] == [inspect.Parameter.VAR_KEYWORD]:
+        return "TRL's"
     try:
         inspect.signature(fn).bind(["a response"], ["its answer"])
     except TypeError:
-        return None, (
-            f"{name}{inspect.signature(fn)} cannot be called as {name}(responses, answers); it must take the "
-            "response texts and their answers and return a score each."
-        )
-    except ValueError:  # a callable whose signature cannot be read (a builtin): taken as it is
-        pass
-    return fn, None
+        return None
+    return "this project's"
 
 
-def reward_reply(fn, texts, answers):
-    """fn(texts, answers) as ("scores", a float or None each: a generator consumed here), ("returned", the type's
-    name) when that is not a sequence of scores, or ("raised", "Type: message")."""
+def reward_reply(fn, form, batch):
+    """fn called in its form on batch as ("scores", a float or None each: a generator consumed here), ("returned",
+    the type's name) when that is not a sequence of scores, or ("raised", "Type: message")."""
     try:
-        got = fn(list(texts), list(answers))  # copies: it may change them
+        got = call_in_form(fn, form, batch)
         if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):
             return "returned", type(got).__name__
         return "scores", [None if x is None else float(x) for x in got]
@@ -1495,9 +1551,41 @@ def reward_reply(fn, texts, answers):
         return "raised", f"{type(e).__name__}: {e}"
 
 
+def call_in_form(fn, form, batch):
+    """fn's answer for batch (score_responses'), called as the project whose form it is calls it."""
+    if form == "TRL's":  # as TRL's GRPOTrainer: the prompts as the data holds them, a chat's completions as messages
+        columns = {key: [row.get(key) for row in batch["columns"]] for key in batch["columns"][0]}
+        completions = batch["responses"]
+        if isinstance(batch["prompts"][0], list):
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
+        state = types.SimpleNamespace(global_step=batch["step"], max_steps=batch["max_steps"])
+        given = dict(prompts=batch["prompts"], completions=completions, completion_ids=batch["completion_ids"])
+        return call_with(fn, {**columns, **given, "trainer_state": state})
+    if form == "verl's":  # each response alone, as verl's reward manager: a number, or a dict with it as "score"
+        scores = []
+        for text, answer, row in zip(batch["responses"], batch["answers"], batch["columns"]):
+            given = dict(solution_str=text, ground_truth=answer, extra_info=row.get("extra_info"))
+            got = call_with(fn, {"data_source": row.get("data_source"), **given})
+            scores.append(got["score"] if isinstance(got, dict) else got)
+        return scores
+    if form == "OpenRLHF's":  # a tensor, a list, or a dict with them as "rewards"
+        got = call_with(fn, dict(queries=batch["queries"], prompts=batch["prompt_texts"], labels=batch["answers"]))
+        return got["rewards"] if isinstance(got, dict) else got
+    return fn(batch["responses"], batch["answers"])
+
+
+def call_with(fn, given):
+    """fn(**given), leaving out the keywords it does not take, unless it takes **kwargs."""
+    arguments = inspect.signature(fn).parameters
+    if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in arguments.values()):
+        given = {key: value for key, value in given.items() if key in arguments}
+    return fn(**given)
+
+
 def serve_rewards(fd):
-    """The reward process: loads the function, says whether it could, then answers each (texts, answers) sent. It
-    ends with the trainer, however that ends: its watcher kills the process group once the trainer's stdin closes."""
+    """The reward process: loads the function, says whether it could (and its form and required arguments), then
+    answers each batch sent. It ends with the trainer, however that ends: its watcher kills the process group once
+    the trainer's stdin closes."""
     if os.fork() == 0:  # the watcher, before any reward code: a thread would make every later fork (a pool) a risk
         os.close(fd)  # the trainer's connection: its end is seen to close when the reward process ends
         os.read(0, 1)
@@ -1505,37 +1593,42 @@ def serve_rewards(fd):
     connection = multiprocessing.connection.Connection(fd)
     search_path, spec = connection.recv()
     sys.path[:] = search_path  # the trainer's: its modules found as they would be there
-    fn, error = resolve_reward_fn(spec)
-    if error:
-        connection.send(("raised", error))
+    fn, form = resolve_reward_fn(spec)
+    if fn is None:
+        connection.send(("raised", form))
         return
-    connection.send(("loaded", None))
+    arguments = inspect.signature(fn).parameters.values() if form == "TRL's" else []
+    required = [a.name for a in arguments if a.default is a.empty and a.kind not in (a.VAR_POSITIONAL, a.VAR_KEYWORD)]
+    connection.send(("loaded", (form, required)))
     while True:
         try:
-            texts, answers = connection.recv()
+            batch = connection.recv()
         except EOFError:  # the trainer ended
             return
-        connection.send(reward_reply(fn, texts, answers))
+        connection.send(reward_reply(fn, form, batch))
 
 
-def reward_call(reward_fn, texts, answers, timeout, stops):
+def reward_call(reward_fn, batch, timeout, stops):
     """reward_reply's answer: a built-in rule's from here, yours from its RewardProcess."""
     if isinstance(reward_fn, RewardProcess):
-        return reward_fn.call(texts, answers, timeout, stops)
-    return reward_reply(reward_fn, texts, answers)
+        return reward_fn.call(batch, timeout, stops)
+    return reward_reply(reward_fn, "this project's", batch)
 
 
-def call_reward_fn(reward_fn, texts, answers, timeout, stops=None):
-    """A rule's scores, nan where it gave none, and why it failed (None when nothing did). When the batch's call
-    raises, each response is scored alone until a timeout or a stop, so that the error is pinned on one."""
-    kind, got = reward_call(reward_fn, texts, answers, timeout, stops)
+def call_reward_fn(reward_fn, batch, timeout, stops=None):
+    """A rule's scores on batch (score_responses'), None where it does not apply, nan where it gave none, and why it
+    failed (None when nothing did). When the batch's call raises, each response is scored alone until a timeout or a
+    stop, so that the error is pinned on one."""
+    n = len(batch["responses"])
+    kind, got = reward_call(reward_fn, batch, timeout, stops)
     if kind != "raised":
-        return checked_scores(kind, got, len(texts), "the batch's call")
-    scores = [float("nan")] * len(texts)
+        return checked_scores(kind, got, n, "the batch's call")
+    scores = [float("nan")] * n
     first = None  # why the first response that failed alone did
-    for i in range(len(texts)):
-        kind, alone = reward_call(reward_fn, texts[i : i + 1], answers[i : i + 1], timeout, stops)
-        score, why = checked_scores(kind, alone, 1, "its call alone")
+    for i in range(n):
+        alone = {key: x[i : i + 1] if isinstance(x, list) else x for key, x in batch.items()}
+        kind, got_alone = reward_call(reward_fn, alone, timeout, stops)
+        score, why = checked_scores(kind, got_alone, 1, "its call alone")
         scores[i] = score[0]
         if first is None:
             first = why
@@ -1547,11 +1640,12 @@ def call_reward_fn(reward_fn, texts, answers, timeout, stops=None):
         f"nan: the batch's call raised ({got}) but no single response's did; make the reward score a batch as it "
         "scores each response"
     )
-    return [float("nan")] * len(texts), why
+    return [float("nan")] * n, why
 
 
 def checked_scores(kind, got, n, call):
-    """reward_call's answer for n responses as (a score each, nan where none) and why it failed (None: nothing)."""
+    """reward_call's answer for n responses as (a score each, None where it does not apply, nan where none) and why
+    it failed (None: nothing)."""
     failed = [float("nan")] * n
     if kind == "stopped":
         return failed, "stopped by a signal"
@@ -1563,15 +1657,44 @@ def checked_scores(kind, got, n, call):
         return failed, f"nan: {call} returned a {got} for {n} responses"
     if len(got) != n:
         return failed, f"nan: {call} returned {len(got)} scores for {n} responses"
-    if None in got:  # TRL's "does not apply" is not taken: every response needs a score
-        scores = [float("nan") if x is None else x for x in got]
-        return scores, "None (TRL's 'does not apply' is not taken here: return a float for every response)"
-    large = [x for x in got if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
+    given = [x for x in got if x is not None]  # None: "does not apply", as in TRL
+    large = [x for x in given if 3.4e38 < abs(x) < float("inf")]  # finite, but inf in float32
     if large:
         return got, f"{large[0]:g}, past float32's range"
-    if not all(math.isfinite(x) for x in got):
+    if not all(math.isfinite(x) for x in given):
         return got, "not a finite number"
     return got, None
+
+
+def answer_of(row, field):
+    """A row's --answer_field: a column, or a dotted path into nested ones (verl's reward_model.ground_truth)."""
+    for key in field.split("."):
+        row = row.get(key) if isinstance(row, dict) else None
+    return row
+
+
+def check_reward_columns(reward_fns, rows, path, args):
+    """Your functions against the data's columns (its first row's), before any model loads: a TRL function's keywords
+    and columns, and a warning where yours takes answers and no row has one."""
+    columns = [key for key in rows[0] if key != args.prompt_field]
+    for spec, fn in reward_fns:
+        if not isinstance(fn, RewardProcess):  # a built-in: load_prompts checks each row's answer
+            continue
+        if fn.form == "TRL's":
+            keywords = ["prompts", "completions", "completion_ids", "trainer_state"]
+            named = [c for c in columns if c in keywords] + [a for a in fn.required if a not in columns + keywords]
+            if named:
+                raise SystemExit(
+                    f"--reward_fn {spec} is in TRL's form, which passes the keywords {', '.join(keywords)} and "
+                    f"each column of '{path}' ({', '.join(columns)}) by name: '{named[0]}' is either both or "
+                    "neither; rename the column or the argument."
+                )
+        elif all(answer_of(row, args.answer_field) is None for row in rows):
+            warnings.warn(
+                f"--reward_fn {spec} takes answers, but '{path}' has no '{args.answer_field}' (its columns: "
+                f"{', '.join(rows[0])}): every answer is None; pass --answer_field with the answers' column.",
+                stacklevel=2,
+            )
 
 
 def reward_model_inputs(own_tokenizer, prompts, texts, device):
@@ -1594,8 +1717,9 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
 
 
 @torch.no_grad()
-def evaluate(policy, scorer, sampling, held_out, args, stops):
-    """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
+def evaluate(policy, scorer, sampling, held_out, step, args, stops):
+    """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy (step: the iterations done); {}
+    when a reward failed."""
     prompts, rows = held_out
     rank = int(os.environ.get("RANK", 0))
     device = sampling.stop_ids.device
@@ -1616,7 +1740,7 @@ def evaluate(policy, scorer, sampling, held_out, args, stops):
             attention_mask = torch.cat([prompt_mask, response_mask], 1)
             P = prompt_ids.shape[1]
             batch_rows = [rows[i] for i in idx]
-            scores.append(score_responses(scorer, input_ids, attention_mask, P, batch_rows, args, stops).raw)
+            scores.append(score_responses(scorer, input_ids, attention_mask, P, batch_rows, step, args, stops).raw)
         result[name] = global_mean(torch.cat(scores), counted)
     failed = any(isinstance(r, str) for r in stops)  # a failed reward (a stop's unanswered call is nan too)
     if failed or not all(map(math.isfinite, result.values())):
@@ -1731,12 +1855,14 @@ def failure_alarms(m, state, args):
         return m.get(metric) is not None and state[first] is not None and m[metric] < args.alarm_collapse * state[first]
 
     rising = "val/loss" in m and m["iteration"] > 10 and state["value_loss_ema"] > state["first_value_loss"]
+    state["zero_signal_run"] = state.get("zero_signal_run", 0) + 1 if m["health/zero_signal"] >= 0.9 else 0
     return {
         "kl_explosion": m.get("objective/kl", 0.0) > args.alarm_kl,
         "clip_fraction": m.get("policy/clipfrac", 0.0) > args.alarm_clipfrac,
         "entropy_collapse": fell("policy/entropy", "first_entropy"),
         "value_divergence": rising,  # the value loss rising, not falling
         "diversity_collapse": fell("response/distinct2", "first_distinct2"),
+        "zero_signal": state["zero_signal_run"] >= 10,  # 10 iterations in a row
     }
 
 
@@ -1746,6 +1872,8 @@ ALARMS = {
     "entropy_collapse": "entropy under --alarm_collapse of its first value: add --ent_coef, raise --kl_coef, stop.",
     "value_divergence": "the value loss rose above its start: keep --normalize_reward, lower --value_learning_rate.",
     "diversity_collapse": "distinct-2 under --alarm_collapse of its first value: raise --kl_coef, or stop earlier.",
+    "zero_signal": "for 10 iterations, 90% of the groups drawn (PPO: the batch) scored alike, leaving nothing to "
+    "learn: check the reward on a few responses, then try an easier task, a stronger policy or a higher --temperature.",
 }
 
 # ---- checkpoints, stop signals and bad steps
@@ -2144,8 +2272,8 @@ def dashboard(stats, state, scores, rollout, clock, args):
     m["time/iteration"] = time.time() - clock.start
     m["health/reward_errors"] = args.world_size * global_mean(failed)
     m["health/skipped_steps"] = state["skipped_steps"]
-    for key, x in scores.metrics.items():  # the rules' weighted sum, and each when there are several
-        m[key] = global_mean(x)
+    for key, x in scores.metrics.items():  # the rules' weighted sum, and each when there are several (nan: unscored)
+        m[key] = global_mean(x.nan_to_num(0.0), x.isfinite().float())
     for key, total in zip(sums, totals.tolist()):
         if key.startswith("grad_norm"):
             m[key] = total / n_steps
@@ -2285,6 +2413,9 @@ class Log:
         m.update({f"alarm/{k}": float(v) for k, v in firing.items()})
         if self.on:
             shown = " ".join(f"{label} {m[key]:{fmt}}" for label, key, fmt in PRINTED if key in m)
+            shown += "".join(f" {key[7:]} {x:.2f}" for key, x in m.items() if key.startswith("reward/"))  # each rule's
+            if m["health/reward_errors"]:
+                shown += f" failed {m['health/reward_errors']:.0f}"
             tqdm.write(
                 f"iter {iteration}/{args.num_iterations} ep {state['episodes']} | {shown} | "
                 f"{m['time/iteration']:.1f}s gen {m['time/generate'] / m['time/iteration']:.0%}"

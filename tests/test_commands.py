@@ -131,8 +131,14 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
     correct = grpo.load_reward_fn(f"{path}:correct", 10)
     bare_number = grpo.load_reward_fn(f"{path}:bare_number", 10)
     # by hand: correct and well formed, well formed but wrong, neither
-    assert grpo.call_reward_fn(correct, ["12", "13", "twelve"], ["12", "12", "12"], 10) == ([1.0, 0.0, 0.0], None)
-    assert grpo.call_reward_fn(bare_number, ["12", "13", "twelve"], ["12"] * 3, 10) == ([1.0, 1.0, 0.0], None)
+    assert grpo.call_reward_fn(correct, dict(responses=["12", "13", "twelve"], answers=["12", "12", "12"]), 10) == (
+        [1.0, 0.0, 0.0],
+        None,
+    )
+    assert grpo.call_reward_fn(bare_number, dict(responses=["12", "13", "twelve"], answers=["12"] * 3), 10) == (
+        [1.0, 1.0, 0.0],
+        None,
+    )
     argv = [a.replace("my_reward.py:", f"{path}:") for a in command.split()[2:]]
     rows, _ = run_main(
         "grpo.py",

@@ -191,6 +191,7 @@ def test_failure_alarms_fire_on_their_signatures():
         "policy/entropy": 1.8,
         "response/distinct2": 0.5,
         "val/loss": 1.0,
+        "health/zero_signal": 0.0,
     }
     assert not any(ppo.failure_alarms(healthy, state, args).values())
     for i in range(2, 12):  # a falling value loss is healthy
@@ -202,6 +203,7 @@ def test_failure_alarms_fire_on_their_signatures():
         "policy/entropy": 0.8,
         "response/distinct2": 0.2,
         "val/loss": 0.5,
+        "health/zero_signal": 1.0,
     }
     assert ppo.failure_alarms(sick, state, args) == {
         "kl_explosion": True,
@@ -209,6 +211,7 @@ def test_failure_alarms_fire_on_their_signatures():
         "entropy_collapse": True,
         "value_divergence": False,
         "diversity_collapse": True,
+        "zero_signal": False,  # after 10 such iterations in a row
     }
     for i in range(13, 40):  # a value loss that climbs past where it started
         fired = ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 3.0}, state, args)

@@ -87,6 +87,7 @@ def scored_batch(reward_models, args):
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
         rows,
+        0,
         args,
     )
 

@@ -10,6 +10,7 @@ as it happened, the scores are those of a plain loop, a run is the one whose rew
 
 import hashlib
 import importlib.util
+import json
 import math
 import os
 import pathlib
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import numpy
 import pytest
@@ -104,7 +106,10 @@ def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
     (tmp_path / "rules_pkg" / "arith.py").write_text(SAME_AS_ARITHMETIC)
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = grpo.load_reward_fn("rules_pkg.arith:exact", 10)
-    assert grpo.call_reward_fn(fn, ["12", " 7 ", "x"], ["12", "8", "x"], 10) == ([1.0, 0.0, 1.0], None)
+    assert grpo.call_reward_fn(fn, dict(responses=["12", " 7 ", "x"], answers=["12", "8", "x"]), 10) == (
+        [1.0, 0.0, 1.0],
+        None,
+    )
 
 
 @pytest.mark.parametrize(
@@ -112,7 +117,7 @@ def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
     [
         ("no_such_file.py:reward", "'no_such_file.py' could not be loaded \\(FileNotFoundError"),
         ("{tmp}/rule.py:missing", "has no function 'missing'"),
-        ("{tmp}/rule.py:one_argument", r"cannot be called as one_argument\(responses, answers\)"),
+        ("{tmp}/rule.py:one_argument", r"one_argument\(responses\) is in none of the forms taken"),
         ("{tmp}/broken.py:reward", "could not be loaded \\(ZeroDivisionError"),
         ("no_such_module_here:reward", "could not be loaded \\(ModuleNotFoundError"),
         ("nope", "unknown --reward_fn 'nope'"),
@@ -172,6 +177,7 @@ def scored_by_rules(tmp_path, specs, weights=()):
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
         [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)],
+        0,
         args,
     )
 
@@ -187,7 +193,7 @@ def test_two_weighted_rules_give_their_weighted_sum(tmp_path):
     assert scores.metrics["reward/short"].tolist() == [1.0, 1.0, 1.0, 0.0]
     scores = scored_by_rules(tmp_path, ["correct"])  # one rule, weight 1: its scores, and no reward/<name>
     assert scores.raw.tolist() == [1.0, 0.0, 1.0, 1.0]
-    assert list(scores.metrics) == ["objective/rule_reward"]
+    assert list(scores.metrics) == ["objective/rule_reward", "health/unscored_rewards"]
 
 
 def test_a_failing_rule_among_several_is_named(tmp_path):
@@ -239,7 +245,7 @@ def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
         f"--eval_dataset={held_out}",
     ]  # three iterations
     rules = tmp_path / "rules.py"
-    two, _ = run_main(
+    two, printed = run_main(
         "grpo.py",
         tmp_path / "two",
         *common,
@@ -261,6 +267,124 @@ def test_two_rules_by_file_train_like_one_rule_returning_their_sum(tmp_path):
     for r in two[1:]:  # each rule's mean is logged; their weighted sum is the rule score
         assert r["objective/rule_reward"] == pytest.approx(r["reward/correct"] + 0.5 * r["reward/short"], abs=1e-6)
         assert "reward/correct" not in one[1]
+    lines = [line for line in printed.splitlines() if line.startswith("iter ")]  # each rule's mean on its line
+    assert f"correct {two[-1]['reward/correct']:.2f} short {two[-1]['reward/short']:.2f} |" in lines[-1]
+
+
+# ---------------------------------------------------------------- functions written for TRL, verl and OpenRLHF
+
+# Each project's documented contract, written here: the arithmetic rule (the exact answer) in each form. TRL calls
+# with keywords (the prompts as the data holds them, the completions, their token ids, the trainer's state and every
+# other column); verl calls compute_score per response with the answer as ground_truth and takes a dict's "score";
+# OpenRLHF calls reward_func(queries, prompts, labels), queries being the prompt and response as the policy saw them.
+FORMS = """
+import torch
+
+def trl_exact(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+    assert len(prompts) == len(completions) == len(completion_ids) == len(answer)
+    assert all(isinstance(p, str) and isinstance(i, int) for p, ids in zip(prompts, completion_ids) for i in ids)
+    assert trainer_state.max_steps == 2 and trainer_state.global_step in (0, 1)
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str.strip() == ground_truth.strip()), "acc": True}
+
+def reward_func(queries, prompts, labels):
+    responses = [q[len(p) :].replace("<|endoftext|>", "") for q, p in zip(queries, prompts)]
+    assert all(q.startswith(p) for q, p in zip(queries, prompts))
+    return {"rewards": torch.tensor([float(r.strip() == l.strip()) for r, l in zip(responses, labels)])}
+"""
+
+
+def test_functions_in_trl_verl_and_openrlhf_forms_train_bitwise_as_the_same_rule_in_this_projects(tmp_path):
+    (tmp_path / "forms.py").write_text(FORMS + SAME_AS_ARITHMETIC)
+    common = tiny_run("grpo.py", total_episodes=16, eval_every=0)  # two iterations
+    native, _ = run_main("grpo.py", tmp_path / "native", *common, "--reward_fn", f"{tmp_path}/forms.py:exact")
+    for name, form in [("trl_exact", "TRL's"), ("compute_score", "verl's"), ("reward_func", "OpenRLHF's")]:
+        rows, printed = run_main("grpo.py", tmp_path / name, *common, "--reward_fn", f"{tmp_path}/forms.py:{name}")
+        assert f"--reward_fn {tmp_path}/forms.py:{name}: {form} form" in printed  # said before any model loads
+        assert without_timing(rows) == without_timing(native), name
+        assert weights_digest(tmp_path / name) == weights_digest(tmp_path / "native"), name
+        assert rows[-1]["health/reward_errors"] == 0
+
+
+# A reward function in the shape of TRL's documented examples: the completions and the dataset's "solution" column
+# by keyword, the rest in **kwargs.
+TRL_EXAMPLE = """
+def accuracy_reward(completions, solution, **kwargs):
+    return [1.0 if c.strip() == s.strip() else 0.0 for c, s in zip(completions, solution)]
+"""
+
+
+def test_a_trl_reward_function_reads_a_csv_column_and_trains_as_the_built_in_rule(tmp_path):
+    lines = open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl")).read().splitlines()
+    data = tmp_path / "train.csv"
+    data.write_text("prompt,solution\n" + "".join(f"{r['prompt']},{r['answer']}\n" for r in map(json.loads, lines)))
+    (tmp_path / "trl_rewards.py").write_text(TRL_EXAMPLE)
+    common = [*tiny_run("grpo.py", total_episodes=16, eval_every=0), f"--dataset={data}"]
+    builtin, _ = run_main("grpo.py", tmp_path / "builtin", *common, "--answer_field=solution", "--reward_fn=arithmetic")
+    trl, printed = run_main(
+        "grpo.py", tmp_path / "trl", *common, f"--reward_fn={tmp_path}/trl_rewards.py:accuracy_reward"
+    )
+    assert "TRL's form" in printed
+    assert without_timing(trl) == without_timing(builtin)
+    assert weights_digest(tmp_path / "trl") == weights_digest(tmp_path / "builtin")
+
+
+def test_verls_nested_ground_truth_is_read_from_a_parquet_file(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"))]
+    verl_rows = [  # verl's own layout: the answer under reward_model.ground_truth
+        {
+            "data_source": "arithmetic",
+            "prompt": r["prompt"],
+            "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+            "extra_info": {"index": i},
+        }
+        for i, r in enumerate(rows)
+    ]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(verl_rows), tmp_path / "train.parquet")
+    (tmp_path / "forms.py").write_text(FORMS + SAME_AS_ARITHMETIC)
+    common = tiny_run("grpo.py", total_episodes=16, eval_every=0)
+    native, _ = run_main("grpo.py", tmp_path / "native", *common, "--reward_fn", f"{tmp_path}/forms.py:exact")
+    verl, _ = run_main(
+        "grpo.py",
+        tmp_path / "verl",
+        *common,
+        f"--dataset={tmp_path / 'train.parquet'}",
+        "--answer_field=reward_model.ground_truth",
+        f"--reward_fn={tmp_path}/forms.py:compute_score",
+    )
+    assert without_timing(verl) == without_timing(native)
+    assert weights_digest(tmp_path / "verl") == weights_digest(tmp_path / "native")
+
+
+NONE_RULES = """
+def correct(responses, answers):
+    return [None if r == "9" else float(r.strip() == a) for r, a in zip(responses, answers)]
+
+def words(responses, answers):
+    return [2.0 if r.isalpha() else None for r in responses]
+"""
+
+
+def test_a_none_does_not_apply_as_in_trl_and_is_kept_apart_from_a_failure(tmp_path):
+    """TRL's rule: the weighted sum runs over the functions that scored a response; one that none scored counts 0
+    (with one warning); each function's mean is over the responses it scored; a None is no failure."""
+    (tmp_path / "rules.py").write_text(NONE_RULES)
+    specs = [f"{tmp_path}/rules.py:{name}" for name in ("correct", "words")]
+    fns = [(spec, ppo.load_reward_fn(spec, 60)) for spec in specs]
+    with pytest.warns(UserWarning, match="no --reward_fn scored .* counts 0, as in TRL"):
+        scores = scored(None, more=fns, weights=(1.0, 0.5))  # --on_reward_error stop: a None stops nothing
+    # responses "5", "8", "nine", "9" to answers 5, 8, 8, 9: correct gives 1, 1, 0, None; words None, None, 2, None
+    assert scores.raw.tolist() == [1.0, 1.0, 0.0 + 0.5 * 2.0, 0.0]
+    assert scores.failed == 0
+    assert scores.metrics["health/unscored_rewards"].tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert scores.metrics["reward/correct"].tolist()[:3] == [1.0, 1.0, 0.0]  # nan where it gave None: left out of
+    assert scores.metrics["reward/words"].tolist()[2] == 2.0  # the means the dashboard logs (its nan-masked mean)
+    assert scores.metrics["reward/correct"][3].isnan() and scores.metrics["reward/words"][:2].isnan().all()
 
 
 # ---------------------------------------------------------------- rewards that fail, return the wrong thing or hang
@@ -272,7 +396,7 @@ PROMPTS = ["what is 2+3?", "what is 7+1?", "what is 4+4?", "what is 9+0?"]
 RESPONSES = ["5", "8", "nine", "9"]
 
 
-def scored(fn, on_reward_error="stop", penalty=1.0, more=()):
+def scored(fn, on_reward_error="stop", penalty=1.0, more=(), weights=()):
     """score_responses on four known prompts and responses with a rule reward (and more (--reward_fn, function)
     pairs) and no reward model."""
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
@@ -282,13 +406,14 @@ def scored(fn, on_reward_error="stop", penalty=1.0, more=()):
     width = max(map(len, replies))
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
-    args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty)
+    args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty, reward_weights=weights)
     return ppo.score_responses(
-        ppo.Scorer([], [("fn", fn), *more], tokenizer),
+        ppo.Scorer([], [("fn", fn)] * (fn is not None) + list(more), tokenizer),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
         [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])],
+        0,
         args,
     )
 
@@ -361,14 +486,20 @@ def test_a_wrong_number_of_scores_is_named():
 def test_a_wrong_return_is_named(returned, why):
     """Before, a str had each character taken as a score, a wrong count blamed one response with "too many values
     to unpack", and 1e300 (finite in Python, inf in float32) was called "not a finite number"."""
-    scores, reason = grpo.call_reward_fn(lambda responses, answers: returned, ["a", "b", "c"], [1, 2, 3], 10)
+    scores, reason = grpo.call_reward_fn(
+        lambda responses, answers: returned, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10
+    )
     assert reason == why
     assert not torch.tensor(scores).isfinite().all()  # the batch fails: no score is taken from it
 
 
 def test_a_reward_that_scores_every_response_gives_no_reason():
-    assert ppo.call_reward_fn(lambda responses, answers: [1.0, 0.5], ["a", "b"], [1, 2], 10) == ([1.0, 0.5], None)
-    scores, reason = ppo.call_reward_fn(lambda responses, answers: [1.0, float("nan")], ["a", "b"], [1, 2], 10)
+    assert ppo.call_reward_fn(
+        lambda responses, answers: [1.0, 0.5], dict(responses=["a", "b"], answers=[1, 2]), 10
+    ) == ([1.0, 0.5], None)
+    scores, reason = ppo.call_reward_fn(
+        lambda responses, answers: [1.0, float("nan")], dict(responses=["a", "b"], answers=[1, 2]), 10
+    )
     assert reason == "not a finite number"
 
 
@@ -378,28 +509,27 @@ def test_a_reward_that_raises_on_the_batch_alone_fails_every_response():
             raise ZeroDivisionError("division by zero")
         return [1.0]
 
-    scores, reason = ppo.call_reward_fn(batch_only, ["a", "b"], [1, 2], 10)
+    scores, reason = ppo.call_reward_fn(batch_only, dict(responses=["a", "b"], answers=[1, 2]), 10)
     assert all(score != score for score in scores)  # nan: no score is taken from a grader that disagrees with itself
     assert reason.startswith("nan: the batch's call raised (ZeroDivisionError: division by zero) but no single")
 
 
-def test_several_functions_a_failure_names_its_function_and_a_none_is_said(tmp_path):
-    """Two rules: the first fails on 'nine' (the third response), the second returns None for '5' (the first). The
-    response named is the first that failed, with the reason and the --reward_fn of the rule that failed on it
-    (before: the first rule's error, pinned on a response it scored), and a None is said as such (before:
-    "TypeError: float() argument ..."): TRL's "does not apply" is refused."""
+def test_several_functions_a_failure_names_its_function_and_a_none_is_no_failure(tmp_path):
+    """Two rules: the first returns None for '5' (the first response), the second fails on 'nine' (the third). The
+    response named is the first that failed, with the reason and the --reward_fn of the rule that failed on it; the
+    first rule's None is TRL's "does not apply", not a failure (before: refused, and named before the error)."""
 
     def first(texts, answers):
-        return [float(int(t) == int(a)) for t, a in zip(texts, answers)]  # int("nine") raises
+        return [None if t == "5" else 0.5 for t in texts]
 
     def second(texts, answers):
-        return [None if t == "5" else 0.5 for t in texts]
+        return [float(int(t) == int(a)) for t, a in zip(texts, answers)]  # int("nine") raises
 
     spec = f"{tmp_path}/rules.py:second"
     with pytest.raises(
         SystemExit,
-        match=r"the response '5' to the prompt 'what is 2\+3\?' is None \(TRL's 'does not apply' is not taken here: "
-        rf"return a float for every response\) \(--reward_fn {spec}\); fix the reward",
+        match=r"the response 'nine' to the prompt 'what is 4\+4\?' is an error \(ValueError: invalid literal .*\) "
+        rf"\(--reward_fn {spec}\); fix the reward",
     ):
         scored(first, more=[(spec, second)])
 
@@ -417,14 +547,16 @@ def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_time
         "    time.sleep(30)\n"
     )
     reward_fn = grpo.load_reward_fn(f"{rule}:grader", 10)
-    scores, why = grpo.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], timeout=0.5)
+    scores, why = grpo.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), timeout=0.5)
     assert (tmp_path / "calls").read_text().split() == ["3", "1"]
     assert all(s != s for s in scores)
     assert len(scores) == 3
     assert why == "an error (TimeoutError: no answer within --reward_timeout 0.5 s)"
 
 
-def test_penalised_reward_errors_are_counted_in_a_run(tmp_path, monkeypatch, keep_signal_handlers):
+def test_penalised_reward_errors_are_counted_in_a_run_and_shown_on_its_lines(
+    tmp_path, monkeypatch, keep_signal_handlers, capsys
+):
     def half_broken(texts, answers):  # a reward that fails on every other response
         return [float("nan") if i % 2 else 1.0 for i in range(len(texts))]
 
@@ -432,6 +564,8 @@ def test_penalised_reward_errors_are_counted_in_a_run(tmp_path, monkeypatch, kee
     grpo.main(args_for("grpo.py", tmp_path, total_episodes=16, on_reward_error="penalty"))
     rows = read_rows(tmp_path)
     assert [r["health/reward_errors"] for r in rows] == [4, 4]  # 4 of the 8 responses of each iteration
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("iter ")]
+    assert len(lines) == 2 and all(" failed 4 |" in line for line in lines)  # before: in metrics.jsonl alone
     with pytest.raises(SystemExit, match="is not a finite number; fix the reward"):
         grpo.main(args_for("grpo.py", tmp_path / "stop", total_episodes=16))
 
@@ -540,7 +674,7 @@ def test_a_reward_call_ends_within_its_timeout_with_everything_it_started(grader
     threads_before = threading.active_count()
     reward_fn = ppo.load_reward_fn(f"{graders}:{name}", 30)
     started = time.time()
-    scores, reason = ppo.call_reward_fn(reward_fn, ["a response"], ["its answer"], 1)
+    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a response"], answers=["its answer"]), 1)
     assert time.time() - started < 15
     assert reason == why
     assert math.isnan(scores[0])  # no score taken from it
@@ -560,7 +694,8 @@ def gone(pid, seconds=5):
 def test_nothing_a_grader_started_outlives_the_trainer(graders):
     """The trainer killed with SIGKILL (none of its code runs) while its grader waits on a subprocess: the reward
     process sees the trainer's end of its stdin close and kills its group (before: the subprocess lived on)."""
-    call = f"import ppo; ppo.call_reward_fn(ppo.load_reward_fn({str(graders)!r} + ':popen', 0), ['a'], [1], 0)"
+    batch = "dict(responses=['a'], answers=[1])"
+    call = f"import ppo; ppo.call_reward_fn(ppo.load_reward_fn({str(graders)!r} + ':popen', 0), {batch}, 0)"
     trainer = subprocess.Popen([sys.executable, "-c", call], cwd=ROOT, env=ENV)
     started = graders.parent / "pids" / "popen"
     while not started.exists() or not started.read_text():
@@ -578,11 +713,13 @@ def test_a_stop_signal_ends_a_reward_call_at_once_whatever_the_timeout(graders):
     stops = []
     threading.Timer(0.5, stops.append, [signal.SIGTERM]).start()
     started = time.time()
-    scores, reason = ppo.call_reward_fn(reward_fn, ["a", "b"], [1, 2], 600, stops)
+    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a", "b"], answers=[1, 2]), 600, stops)
     assert time.time() - started < 5
     assert reason == "stopped by a signal"
     assert reward_fn.process is None
-    assert ppo.call_reward_fn(reward_fn, ["a"], [1], 1)[1] == TIMED_OUT  # a fresh process, killed again
+    assert (
+        ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 1)[1] == TIMED_OUT
+    )  # a fresh process, killed again
 
 
 def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_handlers):
@@ -595,7 +732,9 @@ def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_ha
     other_thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # the trainer has other threads
     other_thread.start()
     assert "torch" in sys.modules
-    scores = ppo.call_reward_fn(ppo.load_reward_fn(f"{graders}:where", 10), ["a", "b", "c"], [1, 2, 3], 10)
+    scores = ppo.call_reward_fn(
+        ppo.load_reward_fn(f"{graders}:where", 10), dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10
+    )
     assert scores == ([1.0, 0.0, 1.0], None)
 
 
@@ -610,10 +749,14 @@ def test_a_reward_process_started_again_runs_the_code_the_run_began_with(graders
     trainer = importlib.util.module_from_spec(found)
     found.loader.exec_module(trainer)
     reward_fn = trainer.load_reward_fn(f"{graders}:where", 10)
-    first = trainer.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], 10)
+    first = trainer.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10)
     copy.write_text("# edited while the run goes on\n" * 7 + copy.read_text())
     reward_fn.kill()  # as a timeout or a stop does: the next call starts a new process
-    assert trainer.call_reward_fn(reward_fn, ["a", "b", "c"], [1, 2, 3], 10) == first == ([1.0, 0.0, 1.0], None)
+    assert (
+        trainer.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10)
+        == first
+        == ([1.0, 0.0, 1.0], None)
+    )
     reward_fn.kill()
 
 
@@ -640,7 +783,7 @@ def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_
     for name, value in (("math", 4), ("numpy", 9), ("grader", 16), ("other/grader", 25)):
         reward_fn = ppo.load_reward_fn(f"{folders[name]}:score", 30)
         expected = [value**0.5 * len(t) for t in texts]
-        assert ppo.call_reward_fn(reward_fn, texts, [1, 2, 3], 30) == (expected, None), name
+        assert ppo.call_reward_fn(reward_fn, dict(responses=texts, answers=[1, 2, 3]), 30) == (expected, None), name
     assert sys.modules["math"].sqrt(4) == 2.0
     assert sys.modules["numpy"] is numpy
     assert sys.path == path_before
@@ -705,7 +848,7 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
     path = tmp_path / "grader.py"
     path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
     reward_fn = ppo.load_reward_fn(f"{path}:score", 30)
-    assert ppo.call_reward_fn(reward_fn, ["a"], [1], 1)[1] == TIMED_OUT
+    assert ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 1)[1] == TIMED_OUT
     stops = []
     stopped_at = []
 
@@ -716,7 +859,7 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
         stops.append(signal.SIGTERM)
 
     threading.Thread(target=stop_once_the_import_waits, daemon=True).start()
-    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 600, stops)
+    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 600, stops)
     assert time.time() - stopped_at[0] < 2
     assert reason == "stopped by a signal"
     assert math.isnan(scores[0])
@@ -724,7 +867,7 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
     assert gone(int((tmp_path / "pid").read_text()))
     (tmp_path / "pid").unlink()
     started = time.time()
-    scores, reason = ppo.call_reward_fn(reward_fn, ["a"], [1], 3)
+    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 3)
     assert time.time() - started < 15
     assert reason == (
         f"an error (TimeoutError: --reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; "
@@ -756,7 +899,7 @@ def test_modules_of_standard_names_in_the_working_folder_or_beside_the_file_shad
     texts = ["a", "bb"]
     expected = [0.5 + random.Random(len(t)).random() for t in texts]
     reward_fn = ppo.load_reward_fn(f"{rules / 'grader.py'}:score", 30)
-    assert ppo.call_reward_fn(reward_fn, texts, [1, 2], 30) == (expected, None)
+    assert ppo.call_reward_fn(reward_fn, dict(responses=texts, answers=[1, 2]), 30) == (expected, None)
 
 
 # ---------------------------------------------------------------- reward code as people write it, in runs
@@ -894,3 +1037,53 @@ def test_sigterm_stops_a_run_whose_reward_hangs_within_seconds_whatever_the_time
         assert f"stopped after iteration {iteration}; to go on:" in printed
         assert "Traceback" not in printed, printed[-3000:]
         assert not any(alive(pid) for pid in hung), name  # killed with the grader's process, not handed to init
+
+
+# ---------------------------------------------------------------- the forms refused, a missing answer column said
+
+
+ROW = '{"prompt": "1+1=", "answer": "2"}'
+
+
+@pytest.mark.parametrize(
+    "source, row, message",
+    [
+        ("def f(texts):\n    return [0.0]", ROW, r"f\(texts\) is in none of the forms taken: fn\(responses, answers\)"),
+        ("def f(completions, level, **kw):\n    return [0.0]", ROW, "'level' is either both or neither"),
+        ("def f(completions):\n    return [0.0]", ROW[:-1] + ', "completions": "x"}', "'completions' is either both"),
+    ],
+)
+def test_a_function_in_no_form_or_reading_a_column_the_data_lacks_is_refused_before_any_model_loads(
+    source, row, message, tmp_path
+):
+    (tmp_path / "rule.py").write_text(source)
+    (tmp_path / "train.jsonl").write_text(row + "\n")
+    args = grpo.Args(dataset=str(tmp_path / "train.jsonl"), reward_fn=(f"{tmp_path}/rule.py:f",), eval_every=0)
+    with pytest.raises(SystemExit, match=message):
+        grpo.load_task(args, torch.device("cpu"), grpo.load_reward_fns(args))
+
+
+def test_a_function_of_ones_own_that_takes_answers_gets_a_warning_when_no_row_has_one(tmp_path):
+    """Before: the wrong --answer_field gave the function None answers, silently (the built-in rules stop)."""
+    (tmp_path / "rule.py").write_text(SAME_AS_ARITHMETIC)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "solution": "2"}\n')
+    args = grpo.Args(dataset=str(data), reward_fn=(f"{tmp_path}/rule.py:exact",), eval_every=0)
+    with pytest.warns(UserWarning, match="has no 'answer' \\(its columns: prompt, solution\\): every answer is None"):
+        grpo.load_task(args, torch.device("cpu"), grpo.load_reward_fns(args))
+    args.answer_field = "solution"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grpo.load_task(args, torch.device("cpu"), grpo.load_reward_fns(args))
+
+
+def test_the_zero_signal_alarm_fires_after_ten_iterations_in_a_row_at_or_above_nine_tenths():
+    state = {"alarms_on": []}
+    args = grpo.Args()
+    shares = [0.95] * 9 + [0.5] + [0.9] * 9 + [1.0, 1.0]  # the run broken at 10, then 11 in a row from 11
+    fired = [
+        grpo.failure_alarms({"iteration": i, "health/zero_signal": x}, state, args)["zero_signal"]
+        for i, x in enumerate(shares, 1)
+    ]
+    assert fired == [False] * 19 + [True, True]
+    assert "zero_signal" in grpo.ALARMS
