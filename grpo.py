@@ -2050,10 +2050,12 @@ def stop_if_asked(stops, state, models, optimizers, args):
     command = "python"
     if args.world_size > 1:
         command = f"torchrun --nproc_per_node={args.world_size}"
+    argv = [arg for arg in sys.argv if not arg.startswith("--resume=")]  # this run's --resume, replaced by path
+    while "--resume" in argv:
+        del argv[argv.index("--resume") : argv.index("--resume") + 2]
     if rank == 0:
         print(
-            f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
-            f"--resume {path}",
+            f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(argv)} --resume {path}",
             flush=True,
         )
     if failure is None:  # a signal: the exit code of a process it ended

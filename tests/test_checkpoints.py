@@ -238,6 +238,39 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_to_go_on_from(tmp_path,
     assert_bitwise_equal(final_state(out), full_state)
 
 
+def test_the_command_a_stop_prints_holds_one_resume(tmp_path, monkeypatch, capsys):
+    """A run started with --resume (a path, or auto, in either spelling) and stopped again prints the command to go on
+    with the new checkpoint as its only --resume (each stop added one after the last: `--resume auto --resume ...`)."""
+    checkpoint = str(tmp_path / "checkpoint-5")
+    monkeypatch.setattr(grpo, "save_checkpoint", lambda args, models, optimizers, state, rank: checkpoint)
+    argv = [
+        "grpo.py",
+        "--output_dir",
+        str(tmp_path),
+        "--resume",
+        "auto",
+        "--seed=2",
+        f"--resume={tmp_path}/checkpoint-3",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    policy = torch.nn.Linear(1, 1)
+    with pytest.raises(SystemExit) as stopped:
+        grpo.stop_if_asked(
+            [signal.SIGTERM], grpo.new_state(), {"policy": policy}, {}, grpo.Args(output_dir=str(tmp_path))
+        )
+    assert stopped.value.code == 128 + signal.SIGTERM
+    command = capsys.readouterr().out.split("to go on:\n")[1].strip()
+    assert shlex.split(command) == [
+        "python",
+        "grpo.py",
+        "--output_dir",
+        str(tmp_path),
+        "--seed=2",
+        "--resume",
+        checkpoint,
+    ]
+
+
 def test_a_run_saved_with_decode_auto_goes_on_with_the_plain_loop(tmp_path):
     """A one-GPU run (--decode auto: CUDA graphs) goes on under torchrun or on a CPU, where only the plain loop runs:
     its checkpoint after iteration 2, resumed with --decode plain, ends as the run never stopped, bitwise (on the CPU
