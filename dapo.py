@@ -2297,7 +2297,8 @@ def lock_output_dir(args):
 
 @functools.cache  # held from the first call until the process ends
 def take_lock(folder):
-    """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
+    """One run per folder: rank 0 locks run.lock, naming its process (the system unlocks it when the process ends);
+    returns the file, and the line that says this run takes over the lock of a process that ended ("" if none)."""
     path = os.path.join(folder, "run.lock")
     me = f"process {os.getpid()} on {os.uname().nodename}"
     try:  # open's "a+", but a link is never followed: written through, the file it names would be emptied
@@ -2321,11 +2322,12 @@ def take_lock(folder):
         ) from None
     except OSError as e:  # ENOLCK: a file system without locks (NFS without its lock service)
         print(f"{path}: this file system cannot lock ({e.strerror}): a second run here would not be refused")
+    taken_over = ""  # said by Log once the run writes here, past the checks that may refuse the folder
     if before not in ("", me):
-        print(f"{path}: {before} has ended; this run takes the folder over")
+        taken_over = f"{path}: {before} has ended; this run takes the folder over"
     f.truncate(0)
     print(me, file=f, end="", flush=True)
-    return f
+    return f, taken_over
 
 
 class Log:
@@ -2339,7 +2341,9 @@ class Log:
         self.wandb = None
         if self.on:
             os.makedirs(args.output_dir, exist_ok=True)
-            self.lock = take_lock(args.output_dir)  # before anything is written there
+            self.lock, taken_over = take_lock(args.output_dir)  # before anything is written there
+            if taken_over:
+                print(taken_over)
             pathlib.Path(args.output_dir, "args.json").write_text(json.dumps(asdict(args), indent=2))
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
             if args.resume:  # the log cut back to the checkpoint's rows, then on from there

@@ -717,6 +717,21 @@ def test_a_lock_left_by_a_process_that_ended_is_taken_over_and_said(tmp_path):
     assert len(rows) == 2
 
 
+def test_a_run_refused_the_folder_does_not_say_it_takes_it_over(tmp_path, capsys):
+    """The lock of a process that ended, in a folder holding a run's checkpoint: a new run there is refused (it would
+    mix with that run) and must not first say it takes the folder over; the run that goes on there says so."""
+    out = tmp_path / "run"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "run.lock").write_text(f"process 4194999 on {os.uname().nodename}")
+    with pytest.raises(SystemExit, match="holds the checkpoints of a run"):
+        set_up(grpo, grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out)}))
+    assert "has ended" not in capsys.readouterr().out
+    (out / "checkpoint-3").rmdir()  # the folder made free: this run goes on
+    rows, printed = run_main("grpo.py", out, *cli("grpo.py", total_episodes=8))
+    assert f"process 4194999 on {os.uname().nodename} has ended; this run takes the folder over" in printed
+    assert len(rows) == 1
+
+
 HOLD = """import os, sys, time
 f = open(sys.argv[1], "a+")
 os.lockf(f.fileno(), os.F_TLOCK, 0)
@@ -769,10 +784,10 @@ def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_p
     assert not (tmp_path / "nothing-here").exists()
 
 
-def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path, capsys):
+def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path):
     (tmp_path / "run.lock").write_bytes(b"\xff\xfe\x00garbage")
-    lock = grpo.take_lock(str(tmp_path))
-    assert "garbage has ended; this run takes the folder over" in capsys.readouterr().out
+    lock, taken_over = grpo.take_lock(str(tmp_path))
+    assert "garbage has ended; this run takes the folder over" in taken_over
     assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
     lock.close()
 
@@ -782,7 +797,7 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(os, "lockf", no_locks)
-    lock = grpo.take_lock(str(tmp_path))
+    lock, _ = grpo.take_lock(str(tmp_path))
     assert (
         "this file system cannot lock (No locks available): a second run here would not be refused"
         in capsys.readouterr().out
