@@ -192,7 +192,7 @@ class Args:
 
     # evaluation and logging
     eval_dataset: str | None = None
-    """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
+    """held-out prompts (same format as --dataset); default: the test.<ext> beside a local train.<ext> --dataset"""
     eval_split: str = "test"
     """split of a hub --eval_dataset"""
     eval_every: int = 10
@@ -1193,13 +1193,14 @@ def stop_token_ids(tokenizer, path):
 
 
 def held_out_dataset(args):
-    """--eval_dataset, else the test.jsonl beside a local train.jsonl --dataset; None with --eval_every 0 or none."""
+    """--eval_dataset, else the test.<ext> beside a local train.<ext> --dataset; None with --eval_every 0 or none."""
     if args.eval_every == 0:
         return None
     if args.eval_dataset:
         return args.eval_dataset
-    beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
-    if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside):
+    name = os.path.basename(args.dataset)  # train.<ext>: a format read_rows reads, compressed or not
+    beside = os.path.join(os.path.dirname(args.dataset), "test" + name[len("train") :])
+    if re.fullmatch(r"train\.(jsonl?|csv|tsv|parquet)(\.gz|\.bz2|\.xz)?", name, re.I) and os.path.isfile(beside):
         return beside
     return None
 
