@@ -2463,6 +2463,7 @@ def finish(policy, tokenizer, log, state, args, rank):
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = lambda message, category, *where: f"{category.__name__}: {message}\n"  # no source line
     try:
         if any(arg.split("=")[0] in ("--num_iterations", "--num-iterations") for arg in sys.argv[1:]):  # TRL's name
             raise SystemExit(

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -815,6 +816,7 @@ def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(tyro, "cli", interrupted)
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # the block sets the script's own
     code = None
     try:
         runpy.run_path(os.path.join(ROOT, "grpo.py"), run_name="__main__")
