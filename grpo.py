@@ -2334,6 +2334,9 @@ def finish(policy, tokenizer, log, state, args, rank):
                 named = dict(policy.named_parameters()) | dict(policy.named_buffers())
                 policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})
             tokenizer.save_pretrained(args.output_dir)
+            mode = os.stat(os.path.join(args.output_dir, "args.json")).st_mode  # the umask's; safetensors writes 0600
+            for weights_file in pathlib.Path(args.output_dir).glob("*.safetensors"):
+                weights_file.chmod(mode)
         except OSError as e:
             raise SystemExit(write_failure("saving the policy", f"{type(e).__name__}: {e}", args)) from None
         print(f"saved the policy to {args.output_dir}")

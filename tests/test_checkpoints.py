@@ -683,6 +683,22 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
     assert rloo.checkpoint_problem(str(out / "checkpoint-3")) is None
 
 
+@pytest.mark.parametrize("saved", [[], ["--lora_r=4", "--save_adapters_only"]], ids=["policy", "adapters"])
+def test_the_saved_policy_has_the_mode_of_the_runs_other_files(saved, tmp_path):
+    """safetensors writes through a temporary file of mode 0600: under umask 022 the policy's model.safetensors (or
+    --save_adapters_only's adapter_model.safetensors) must be readable by others as every other file of the run is."""
+    umask = os.umask(0o022)
+    try:
+        run_main("grpo.py", tmp_path, *cli("grpo.py", total_episodes=8), *saved)
+    finally:
+        os.umask(umask)
+    mode = (tmp_path / "args.json").stat().st_mode
+    assert mode & 0o777 == 0o644
+    files = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".safetensors" for path in files)
+    assert {str(path): oct(path.stat().st_mode) for path in files} == {str(path): oct(mode) for path in files}
+
+
 # ---------------------------------------------------------------- one run per folder: the lock, taken first
 
 
