@@ -649,6 +649,7 @@ def main(args):
             )
             drawn.append(gather_rows(round_rows))  # every process's rows, in the order one process draws them
             groups_with_signal = int(sum(rows["signal"].sum().item() for rows in drawn)) // G
+            clock.lap("score")  # this round's scoring, kept apart from the next round's generation
             if groups_with_signal >= args.rollout_batch_size:
                 break
         # The first rollout_batch_size groups with signal in the order drawn (then those without); each its slice
@@ -2276,7 +2277,7 @@ def dashboard(stats, state, scores, rollout, clock, args):
 
 
 class Stopwatch:
-    """An iteration's phases: seconds each took (lap(phase) ends it), in the order they ran."""
+    """An iteration's phases: the seconds each took in all (lap(phase) ends one), in the order they first ran."""
 
     def __init__(self):
         self.start = time.time()
@@ -2285,7 +2286,7 @@ class Stopwatch:
 
     def lap(self, phase):
         now = time.time()
-        self.seconds[phase] = now - self.last
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
 
 

@@ -2159,7 +2159,7 @@ def dashboard(stats, state, scores, rollout, clock, args):
 
 
 class Stopwatch:
-    """An iteration's phases: seconds each took (lap(phase) ends it), in the order they ran."""
+    """An iteration's phases: the seconds each took in all (lap(phase) ends one), in the order they first ran."""
 
     def __init__(self):
         self.start = time.time()
@@ -2168,7 +2168,7 @@ class Stopwatch:
 
     def lap(self, phase):
         now = time.time()
-        self.seconds[phase] = now - self.last
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
 
 
