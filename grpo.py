@@ -193,7 +193,7 @@ class Args:
 
     # evaluation and logging
     eval_dataset: str | None = None
-    """held-out prompts (same format as --dataset); default: the test.jsonl beside a local train.jsonl --dataset"""
+    """held-out prompts (same format as --dataset); default: the test.<ext> beside a local train.<ext> --dataset"""
     eval_split: str = "test"
     """split of a hub --eval_dataset"""
     eval_every: int = 10
@@ -1200,13 +1200,14 @@ def stop_token_ids(tokenizer, path):
 
 
 def held_out_dataset(args):
-    """--eval_dataset, else the test.jsonl beside a local train.jsonl --dataset; None with --eval_every 0 or none."""
+    """--eval_dataset, else the test.<ext> beside a local train.<ext> --dataset; None with --eval_every 0 or none."""
     if args.eval_every == 0:
         return None
     if args.eval_dataset:
         return args.eval_dataset
-    beside = os.path.join(os.path.dirname(args.dataset), "test.jsonl")
-    if os.path.basename(args.dataset) == "train.jsonl" and os.path.isfile(beside):
+    name = os.path.basename(args.dataset)  # train.<ext>: a format read_rows reads, compressed or not
+    beside = os.path.join(os.path.dirname(args.dataset), "test" + name[len("train") :])
+    if re.fullmatch(r"train\.(jsonl?|csv|tsv|parquet)(\.gz|\.bz2|\.xz)?", name, re.I) and os.path.isfile(beside):
         return beside
     return None
 
@@ -2178,10 +2179,12 @@ def stop_if_asked(stops, state, models, optimizers, args):
     command = "python"
     if args.world_size > 1:
         command = f"torchrun --nproc_per_node={args.world_size}"
+    argv = [arg for arg in sys.argv if not arg.startswith("--resume=")]  # this run's --resume, replaced by path
+    while "--resume" in argv:
+        del argv[argv.index("--resume") : argv.index("--resume") + 2]
     if rank == 0:
         print(
-            f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(sys.argv)} "
-            f"--resume {path}",
+            f"stopped after iteration {state['iteration']}; to go on:\n  {command} {shlex.join(argv)} --resume {path}",
             flush=True,
         )
     if failure is None:  # a signal: the exit code of a process it ended
@@ -2284,7 +2287,7 @@ def dashboard(stats, state, scores, rollout, clock, args):
 
 
 class Stopwatch:
-    """An iteration's phases: seconds each took (lap(phase) ends it), in the order they ran."""
+    """An iteration's phases: the seconds each took in all (lap(phase) ends one), in the order they first ran."""
 
     def __init__(self):
         self.start = time.time()
@@ -2293,7 +2296,7 @@ class Stopwatch:
 
     def lap(self, phase):
         now = time.time()
-        self.seconds[phase] = now - self.last
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
 
 
@@ -2306,7 +2309,8 @@ def lock_output_dir(args):
 
 @functools.cache  # held from the first call until the process ends
 def take_lock(folder):
-    """One run per folder: rank 0 locks run.lock, naming its process; the system unlocks it when the process ends."""
+    """One run per folder: rank 0 locks run.lock, naming its process (the system unlocks it when the process ends);
+    returns the file, and the line that says this run takes over the lock of a process that ended ("" if none)."""
     path = os.path.join(folder, "run.lock")
     me = f"process {os.getpid()} on {os.uname().nodename}"
     try:  # open's "a+", but a link is never followed: written through, the file it names would be emptied
@@ -2330,11 +2334,12 @@ def take_lock(folder):
         ) from None
     except OSError as e:  # ENOLCK: a file system without locks (NFS without its lock service)
         print(f"{path}: this file system cannot lock ({e.strerror}): a second run here would not be refused")
+    taken_over = ""  # said by Log once the run writes here, past the checks that may refuse the folder
     if before not in ("", me):
-        print(f"{path}: {before} has ended; this run takes the folder over")
+        taken_over = f"{path}: {before} has ended; this run takes the folder over"
     f.truncate(0)
     print(me, file=f, end="", flush=True)
-    return f
+    return f, taken_over
 
 
 class Log:
@@ -2348,7 +2353,9 @@ class Log:
         self.wandb = None
         if self.on:
             os.makedirs(args.output_dir, exist_ok=True)
-            self.lock = take_lock(args.output_dir)  # before anything is written there
+            self.lock, taken_over = take_lock(args.output_dir)  # before anything is written there
+            if taken_over:
+                print(taken_over)
             pathlib.Path(args.output_dir, "args.json").write_text(json.dumps(asdict(args), indent=2))
             metrics = os.path.join(args.output_dir, "metrics.jsonl")
             if args.resume:  # the log cut back to the checkpoint's rows, then on from there
@@ -2458,6 +2465,9 @@ def finish(policy, tokenizer, log, state, args, rank):
                 named = dict(policy.named_parameters()) | dict(policy.named_buffers())
                 policy.save_pretrained(args.output_dir, state_dict={k: v for k, v in weights.items() if k in named})
             tokenizer.save_pretrained(args.output_dir)
+            mode = os.stat(os.path.join(args.output_dir, "args.json")).st_mode  # the umask's; safetensors writes 0600
+            for weights_file in pathlib.Path(args.output_dir).glob("*.safetensors"):
+                weights_file.chmod(mode)
         except OSError as e:
             raise SystemExit(write_failure("saving the policy", f"{type(e).__name__}: {e}", args)) from None
         print(f"saved the policy to {args.output_dir}")
@@ -2470,6 +2480,7 @@ def finish(policy, tokenizer, log, state, args, rank):
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = lambda message, category, *where: f"{category.__name__}: {message}\n"  # no source line
     try:
         if any(arg.split("=")[0] in ("--num_iterations", "--num-iterations") for arg in sys.argv[1:]):  # TRL's name
             raise SystemExit(

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -236,6 +237,39 @@ def test_a_reward_that_fails_mid_run_leaves_a_checkpoint_to_go_on_from(tmp_path,
     resume_as_printed(printed, out / "checkpoint-2")
     assert without_timing(read_rows(out)) == full_rows
     assert_bitwise_equal(final_state(out), full_state)
+
+
+def test_the_command_a_stop_prints_holds_one_resume(tmp_path, monkeypatch, capsys):
+    """A run started with --resume (a path, or auto, in either spelling) and stopped again prints the command to go on
+    with the new checkpoint as its only --resume (each stop added one after the last: `--resume auto --resume ...`)."""
+    checkpoint = str(tmp_path / "checkpoint-5")
+    monkeypatch.setattr(grpo, "save_checkpoint", lambda args, models, optimizers, state, rank: checkpoint)
+    argv = [
+        "grpo.py",
+        "--output_dir",
+        str(tmp_path),
+        "--resume",
+        "auto",
+        "--seed=2",
+        f"--resume={tmp_path}/checkpoint-3",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    policy = torch.nn.Linear(1, 1)
+    with pytest.raises(SystemExit) as stopped:
+        grpo.stop_if_asked(
+            [signal.SIGTERM], grpo.new_state(), {"policy": policy}, {}, grpo.Args(output_dir=str(tmp_path))
+        )
+    assert stopped.value.code == 128 + signal.SIGTERM
+    command = capsys.readouterr().out.split("to go on:\n")[1].strip()
+    assert shlex.split(command) == [
+        "python",
+        "grpo.py",
+        "--output_dir",
+        str(tmp_path),
+        "--seed=2",
+        "--resume",
+        checkpoint,
+    ]
 
 
 def test_a_run_saved_with_decode_auto_goes_on_with_the_plain_loop(tmp_path):
@@ -649,6 +683,22 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
     assert rloo.checkpoint_problem(str(out / "checkpoint-3")) is None
 
 
+@pytest.mark.parametrize("saved", [[], ["--lora_r=4", "--save_adapters_only"]], ids=["policy", "adapters"])
+def test_the_saved_policy_has_the_mode_of_the_runs_other_files(saved, tmp_path):
+    """safetensors writes through a temporary file of mode 0600: under umask 022 the policy's model.safetensors (or
+    --save_adapters_only's adapter_model.safetensors) must be readable by others as every other file of the run is."""
+    umask = os.umask(0o022)
+    try:
+        run_main("grpo.py", tmp_path, *cli("grpo.py", total_episodes=8), *saved)
+    finally:
+        os.umask(umask)
+    mode = (tmp_path / "args.json").stat().st_mode
+    assert mode & 0o777 == 0o644
+    files = [path for path in tmp_path.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".safetensors" for path in files)
+    assert {str(path): oct(path.stat().st_mode) for path in files} == {str(path): oct(mode) for path in files}
+
+
 # ---------------------------------------------------------------- one run per folder: the lock, taken first
 
 
@@ -682,6 +732,21 @@ def test_a_lock_left_by_a_process_that_ended_is_taken_over_and_said(tmp_path):
     rows, printed = run_main("grpo.py", out, *cli("grpo.py", total_episodes=16))
     assert f"process 4194999 on {os.uname().nodename} has ended; this run takes the folder over" in printed
     assert len(rows) == 2
+
+
+def test_a_run_refused_the_folder_does_not_say_it_takes_it_over(tmp_path, capsys):
+    """The lock of a process that ended, in a folder holding a run's checkpoint: a new run there is refused (it would
+    mix with that run) and must not first say it takes the folder over; the run that goes on there says so."""
+    out = tmp_path / "run"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "run.lock").write_text(f"process 4194999 on {os.uname().nodename}")
+    with pytest.raises(SystemExit, match="holds the checkpoints of a run"):
+        set_up(grpo, grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out)}))
+    assert "has ended" not in capsys.readouterr().out
+    (out / "checkpoint-3").rmdir()  # the folder made free: this run goes on
+    rows, printed = run_main("grpo.py", out, *cli("grpo.py", total_episodes=8))
+    assert f"process 4194999 on {os.uname().nodename} has ended; this run takes the folder over" in printed
+    assert len(rows) == 1
 
 
 HOLD = """import os, sys, time
@@ -736,10 +801,10 @@ def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_p
     assert not (tmp_path / "nothing-here").exists()
 
 
-def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path, capsys):
+def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path):
     (tmp_path / "run.lock").write_bytes(b"\xff\xfe\x00garbage")
-    lock = grpo.take_lock(str(tmp_path))
-    assert "garbage has ended; this run takes the folder over" in capsys.readouterr().out
+    lock, taken_over = grpo.take_lock(str(tmp_path))
+    assert "garbage has ended; this run takes the folder over" in taken_over
     assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
     lock.close()
 
@@ -749,7 +814,7 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(os, "lockf", no_locks)
-    lock = grpo.take_lock(str(tmp_path))
+    lock, _ = grpo.take_lock(str(tmp_path))
     assert (
         "this file system cannot lock (No locks available): a second run here would not be refused"
         in capsys.readouterr().out
@@ -767,6 +832,7 @@ def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(tyro, "cli", interrupted)
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # the block sets the script's own
     code = None
     try:
         runpy.run_path(os.path.join(ROOT, "grpo.py"), run_name="__main__")

@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -155,6 +156,7 @@ def main_block(script, *argv):
     """The script's `if __name__ == "__main__":` block on the command line argv, in this process (the file executed
     afresh, as `python script argv...` would); returns its exit status. What it prints is the test's capsys's."""
     command_line = sys.argv
+    formatwarning = warnings.formatwarning  # the block sets the script's own
     sys.argv = [os.path.join(ROOT, script), *argv]
     try:
         runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
@@ -162,6 +164,7 @@ def main_block(script, *argv):
         return e.code
     finally:
         sys.argv = command_line
+        warnings.formatwarning = formatwarning
     return 0
 
 
@@ -456,6 +459,19 @@ def test_a_terminal_gets_a_live_progress_bar_and_a_log_file_only_lines(script, t
             assert "<00:00" in bar
         else:
             assert "3/3" not in bar
+
+
+def test_a_warning_is_one_line_with_its_category_and_no_source_line(tmp_path):
+    """Python's default shows the warning's file and line, then that line of the script's source; a user reads the
+    category and the message alone, on one line (here --eval_every with no held-out set beside the data)."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl")).readlines()[:4]))
+    run = [*tiny_run("grpo.py", total_episodes=8, response_length=4), f"--dataset={data}", "--eval_every=5"]
+    result = finished(script_command("grpo.py", tmp_path / "run", run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = "UserWarning: --eval_every 5: no held-out set (pass --eval_dataset); nothing is evaluated."
+    assert said in result.stderr.splitlines(), result.stderr[-3000:]
+    assert "load_task(" not in result.stderr  # the line of main that called it
 
 
 def test_no_socket_is_opened_when_every_path_is_local(tmp_path):

@@ -5,6 +5,7 @@ sentence; and dynamic sampling in runs: the groups it keeps, the episodes it cou
 bitwise, and two processes computing what one computes."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -224,6 +225,25 @@ def test_a_stop_in_a_later_sampling_round_resumes_bitwise(tmp_path):
     resume_as_printed(printed, out / f"checkpoint-{later}")
     assert without_timing(read_rows(out)) == without_timing(full)
     assert_bitwise_equal(final_state(out), final_state(tmp_path / "full"))
+
+
+def test_time_generate_counts_every_sampling_rounds_generation(tmp_path, monkeypatch):
+    """Each sampling round generates (here 0.2 s longer than it would) and scores: time/generate holds every round's
+    generation, time/score every round's scoring and what follows, and the phases add up to the iteration (before,
+    each round's lap of generate replaced the last, and the earlier rounds were in no phase)."""
+    generate = dapo.generate
+
+    def slow_generate(*args, **kwargs):
+        time.sleep(0.2)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(dapo, "generate", slow_generate)
+    rows, _ = run_main("dapo.py", tmp_path, *cli("dapo.py"), *ARITHMETIC, *DYNAMIC)
+    assert max(rounds_of(rows)) > 1  # a round drawn again
+    for row in rows:
+        assert row["time/generate"] >= 0.2 * row["rollout/sampling_rounds"]
+        phases = row["time/generate"] + row["time/score"] + row["time/optimize"]
+        assert phases == pytest.approx(row["time/iteration"], abs=0.1)
 
 
 def test_two_processes_keep_the_groups_one_process_keeps(held_out, tmp_path):

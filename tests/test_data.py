@@ -9,6 +9,7 @@ import json
 import lzma
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -356,3 +357,38 @@ def test_eval_every_without_a_held_out_set_is_said(tmp_path):
     ):
         held_out = grpo.load_task(grpo.Args(dataset=str(data), eval_every=5), torch.device("cpu"))[3]
     assert held_out == ([], [])
+
+
+# Every format read_rows reads, compressed or not: a training file's test file beside it is of its own format.
+FORMATS = ["json", "jsonl", "csv", "tsv", "parquet", "jsonl.gz", "csv.bz2", "tsv.xz", "parquet.gz", "JSONL"]
+
+
+def test_the_test_file_beside_a_training_file_of_any_format_is_the_held_out_set(tmp_path):
+    for extension in FORMATS:
+        folder = tmp_path / extension.replace(".", "_")
+        folder.mkdir()
+        train = folder / f"train.{extension}"
+        train.write_text("")
+        assert ppo.held_out_dataset(ppo.Args(dataset=str(train))) is None  # nothing beside it
+        (folder / "test.jsonl.gz").write_text("")  # of another format: not the training file's test split
+        if extension != "jsonl.gz":
+            assert ppo.held_out_dataset(ppo.Args(dataset=str(train))) is None
+        (folder / f"test.{extension}").write_text("")
+        assert ppo.held_out_dataset(ppo.Args(dataset=str(train))) == str(folder / f"test.{extension}")
+        assert ppo.held_out_dataset(ppo.Args(dataset=str(train), eval_every=0)) is None
+    (tmp_path / "prompts.csv").write_text("")
+    (tmp_path / "test.csv").write_text("")
+    assert ppo.held_out_dataset(ppo.Args(dataset=str(tmp_path / "prompts.csv"))) is None  # no train/test layout
+
+
+def test_eval_every_warns_where_no_test_file_stands_beside_a_csv_and_evaluates_where_one_does(tmp_path):
+    (tmp_path / "train.csv").write_text("prompt,answer\n1+1=,2\n")
+    args = grpo.Args(dataset=str(tmp_path / "train.csv"), eval_every=5)
+    with pytest.warns(UserWarning, match="--eval_every 5: no held-out set \\(pass --eval_dataset\\)"):
+        assert grpo.load_task(args, torch.device("cpu"))[3] == ([], [])
+    (tmp_path / "test.csv").write_text("prompt,answer\n2+2=,4\n")
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        held_out = grpo.load_task(args, torch.device("cpu"))[3]
+    assert held_out[1] == [{"prompt": "2+2=", "answer": "4"}]
+    assert not [w for w in warned if "held-out" in str(w.message)]
