@@ -32,6 +32,7 @@ from helpers import (
     ROOT,
     args_for,
     assert_bitwise_equal,
+    assert_rows_agree,
     cli,
     final_state,
     launch,
@@ -41,6 +42,7 @@ from helpers import (
     run_script,
     set_up,
     tiny_run,
+    torchrun,
     wait_for,
     without_timing,
 )
@@ -1087,3 +1089,42 @@ def test_the_zero_signal_alarm_fires_after_ten_iterations_in_a_row_at_or_above_n
     ]
     assert fired == [False] * 19 + [True, True]
     assert "zero_signal" in grpo.ALARMS
+
+
+# ---------------------------------------------------------------- the new user's path, replayed
+
+NEW_USER_REWARDS = """
+def accuracy_reward(completions, solution, **kwargs):  # written for TRL
+    return [1.0 if c.strip() == s.strip() else 0.0 for c, s in zip(completions, solution)]
+
+def bare_number(responses, answers):  # this project's form
+    return [float(r.strip().lstrip("-").isdigit()) for r in responses]
+"""
+
+
+def test_a_new_users_csv_and_trl_reward_weighted_with_another_resume_under_torchrun_as_one_process_runs(tmp_path):
+    """Their own train.csv and test.csv (a solution column), a reward written for TRL weighted with one of this
+    project's form, two iterations on two processes, then resumed to three: the run a single process makes whole."""
+    lines = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"))]
+    for name, rows in (("train.csv", lines[:200]), ("test.csv", lines[200:208])):
+        (tmp_path / name).write_text("prompt,solution\n" + "".join(f"{r['prompt']},{r['answer']}\n" for r in rows))
+    (tmp_path / "rewards.py").write_text(NEW_USER_REWARDS)
+    options = [
+        *tiny_run("grpo.py", eval_every=1, eval_batch_size=4, save_every=1),
+        f"--dataset={tmp_path / 'train.csv'}",  # test.csv beside it is the held-out set
+        "--answer_field=solution",
+        "--reward_fn",
+        f"{tmp_path}/rewards.py:accuracy_reward",
+        f"{tmp_path}/rewards.py:bare_number",
+        "--reward_weights",
+        "1",
+        "0.1",
+    ]
+    one, _ = run_main("grpo.py", tmp_path / "one", *options, "--total_episodes=24")
+    first = torchrun("grpo.py", tmp_path / "two", *options, "--total_episodes=16")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"--reward_fn {tmp_path}/rewards.py:accuracy_reward: TRL's form" in first.stdout
+    resumed = torchrun("grpo.py", tmp_path / "two", *options, "--total_episodes=24", "--resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_rows_agree(read_rows(tmp_path / "two"), one)
+    assert "reward/accuracy_reward" in one[-1] and "eval/score" in one[-1]
