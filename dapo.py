@@ -581,7 +581,6 @@ def main(args):
     responses_per_iteration = args.rollout_batch_size * G
     args.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models = build_models(args, tokenizer, device)
-    scorer = Scorer(reward_models, reward_fns, tokenizer)
     models = {"policy": policy}
     optimizers = {"policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)}
     all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
@@ -591,10 +590,11 @@ def main(args):
     else:
         state = new_state()
     # >>> shared: outputs and the starting policy's held-out score
+    scorer = Scorer(reward_models, reward_fns, tokenizer, state)  # state: the iterations done, for TRL's functions
     log = Log(args, state, rank, tokenizer)
     stops = catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
     if held_out[0] and not args.resume:  # the starting policy's score: the curves' first point
-        log.evaluation(evaluate(policy, scorer, sampling, held_out, state["iteration"], args, stops), state)
+        log.evaluation(evaluate(policy, scorer, sampling, held_out, args, stops), state)
         stop_if_asked(stops, state, models, optimizers, args)
     # <<< shared: outputs and the starting policy's held-out score
 
@@ -618,9 +618,7 @@ def main(args):
             input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
             attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
             clock.lap("generate")
-            scores = score_responses(
-                scorer, input_ids, attention_mask, P, [rows[i] for i in idx], state["iteration"], args, stops
-            )
+            scores = score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
             has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
             train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
             stop_if_asked(stops, state, models, optimizers, args)  # a failed reward, a signal: the state before step 1
@@ -782,7 +780,7 @@ def main(args):
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         # >>> shared: evaluate, alarms, log and save
         if held_out[0] and (iteration % args.eval_every == 0 or iteration == args.num_iterations):
-            m.update(evaluate(policy, scorer, sampling, held_out, iteration, args, stops))
+            m.update(evaluate(policy, scorer, sampling, held_out, args, stops))
         log.iteration(m, state, prompt_ids, scores.texts, scores.raw)
         if (args.save_every and iteration % args.save_every == 0) or iteration == args.num_iterations:
             save_checkpoint(args, models, optimizers, state, rank)
@@ -1349,11 +1347,13 @@ def next_prompts(prompts, position, args, rank):
 @dataclass
 class Scorer:
     """What scores a response: the reward models, each with its own tokenizer (None where it reads the policy's
-    tokens), the rules as (--reward_fn, its function or process), and the policy's tokenizer that decodes them."""
+    tokens), the rules as (--reward_fn, its function or process), the policy's tokenizer that decodes them, and the
+    run's state (TRL's functions read its iteration)."""
 
     reward_models: list
     reward_fns: list
     tokenizer: object
+    state: dict
 
 
 @dataclass
@@ -1367,10 +1367,10 @@ class Scores:
 
 
 @torch.no_grad()
-def score_responses(scorer, input_ids, attention_mask, P, rows, step, args, stops=None):
+def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None):
     """The raw score of each response input_ids[:, P:] (B,): every reward model read at its last token, their minimum,
-    plus the rules' weighted sum (step: the iterations done). A failed reward is a reason to stop (in stops), or
-    replaced (--on_reward_error); a rule's None is "does not apply", as in TRL."""
+    plus the rules' weighted sum. A failed reward is a reason to stop (in stops), or replaced (--on_reward_error); a
+    rule's None is "does not apply", as in TRL."""
     texts = scorer.tokenizer.batch_decode(input_ids[:, P:], skip_special_tokens=True)
     last = attention_mask[:, P:].sum(1) - 1  # (B,) the final response token: its EOS, or where it was cut off
     size = args.micro_batch_size
@@ -1401,7 +1401,7 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, step, args, stop
         queries=scorer.tokenizer.batch_decode(real),  # the prompt and response as the policy saw them
         completion_ids=[x[len(x) - n :].tolist() for x, n in zip(real, lengths)],
         columns=[{k: v for k, v in row.items() if k != args.prompt_field} for row in rows],
-        step=step,
+        step=scorer.state["iteration"],
         max_steps=args.num_iterations,
     )
     for spec, fn in scorer.reward_fns:
@@ -1518,8 +1518,7 @@ def load_reward_fn(spec, timeout):
 class RewardProcess:
     """Your --reward_fn in a fresh interpreter (never a fork of this one, whose threads may hold locks), in a process
     group of its own that a timeout or a stop kills whole; started again at the next call; it ends with the trainer.
-    form: the project whose form the function is in (reward_form); required: the arguments it names without a
-    default."""
+    form: whose form the function is in (reward_form); required: the arguments it names without a default."""
 
     def __init__(self, spec):
         self.spec = spec
@@ -1677,9 +1676,9 @@ def call_in_form(fn, form, batch):
         completions = batch["responses"]
         if isinstance(batch["prompts"][0], list):
             completions = [[{"role": "assistant", "content": text}] for text in completions]
-        state = types.SimpleNamespace(global_step=batch["step"], max_steps=batch["max_steps"])
+        trainer_state = types.SimpleNamespace(global_step=batch["step"], max_steps=batch["max_steps"])
         given = dict(prompts=batch["prompts"], completions=completions, completion_ids=batch["completion_ids"])
-        return call_with(fn, {**columns, **given, "trainer_state": state})
+        return call_with(fn, {**columns, **given, "trainer_state": trainer_state})
     if form == "verl's":  # each response alone, as verl's reward manager: a number, or a dict with it as "score"
         scores = []
         for text, answer, row in zip(batch["responses"], batch["answers"], batch["columns"]):
@@ -1836,9 +1835,8 @@ def reward_model_inputs(own_tokenizer, prompts, texts, device):
 
 
 @torch.no_grad()
-def evaluate(policy, scorer, sampling, held_out, step, args, stops):
-    """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy (step: the iterations done); {}
-    when a reward failed."""
+def evaluate(policy, scorer, sampling, held_out, args, stops):
+    """Mean raw score on the held-out set, sampled (fixed draws per prompt) and greedy; {} when a reward failed."""
     prompts, rows = held_out
     rank = int(os.environ.get("RANK", 0))
     device = sampling.stop_ids.device
@@ -1859,7 +1857,7 @@ def evaluate(policy, scorer, sampling, held_out, step, args, stops):
             attention_mask = torch.cat([prompt_mask, response_mask], 1)
             P = prompt_ids.shape[1]
             batch_rows = [rows[i] for i in idx]
-            scores.append(score_responses(scorer, input_ids, attention_mask, P, batch_rows, step, args, stops).raw)
+            scores.append(score_responses(scorer, input_ids, attention_mask, P, batch_rows, args, stops).raw)
         result[name] = global_mean(torch.cat(scores), counted)
     failed = any(isinstance(r, str) for r in stops)  # a failed reward (a stop's unanswered call is nan too)
     if failed or not all(map(math.isfinite, result.values())):

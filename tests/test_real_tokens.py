@@ -133,10 +133,8 @@ def test_the_rollouts_chunks_equal_each_row_alone(embedded):
         values = ppo.in_chunks(
             lambda i, m, p: ppo.head_outputs(rm, i, m)[:, p - 1 : -1], 2, input_ids, attention_mask, P
         )
-        scorer = ppo.Scorer([(rm, None)], [], TOKENIZER)
-        scores = ppo.score_responses(
-            scorer, input_ids, attention_mask, P, [{}] * 5, 0, ppo.Args(micro_batch_size=2)
-        ).raw
+        scorer = ppo.Scorer([(rm, None)], [], TOKENIZER, ppo.new_state())
+        scores = ppo.score_responses(scorer, input_ids, attention_mask, P, [{}] * 5, ppo.Args(micro_batch_size=2)).raw
         hook.remove()
         assert logprobs.shape == values.shape == (5, T)
         # Sorted by length (3, 9, 5, 7, 7 tokens) the chunks are rows (0, 2), (3, 4), (1,): the LM head runs on each

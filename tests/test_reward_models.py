@@ -82,12 +82,11 @@ def scored_batch(reward_models, args):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     rows = [{"prompt": p} for p in PROMPTS]
     return ppo.score_responses(
-        ppo.Scorer(reward_models, [], tokenizer),
+        ppo.Scorer(reward_models, [], tokenizer, ppo.new_state()),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
         rows,
-        0,
         args,
     )
 

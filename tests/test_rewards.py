@@ -174,12 +174,11 @@ def scored_by_rules(tmp_path, specs, weights=()):
     fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}", 600)) for spec in specs]
     args = ppo.Args(reward_fn=tuple(specs), reward_weights=weights)
     return ppo.score_responses(
-        ppo.Scorer([], fns, tokenizer),
+        ppo.Scorer([], fns, tokenizer, ppo.new_state()),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
         [{"prompt": p, "answer": a} for p, a in zip(prompts, answers)],
-        0,
         args,
     )
 
@@ -318,6 +317,32 @@ def accuracy_reward(completions, solution, **kwargs):
 """
 
 
+def test_a_chat_datasets_completions_reach_a_trl_function_as_messages_and_only_the_names_it_declares():
+    """As TRL passes them for a conversational dataset: each completion a list holding one assistant message; a
+    function without **kwargs gets the names it declares alone."""
+    seen = {}
+
+    def fmt(prompts, completions, level):
+        seen.update(prompts=prompts, completions=completions, level=level)
+        return [float(c[0]["content"].startswith("<think>")) for c in completions]
+
+    chat = [{"role": "user", "content": "2+2?"}]
+    batch = dict(
+        responses=["<think>4", "4"],
+        prompts=[chat, chat],
+        completion_ids=[[5, 6], [6]],
+        columns=[{"level": 1, "answer": "4"}, {"level": 2, "answer": "4"}],
+        step=3,
+        max_steps=10,
+    )
+    assert ppo.call_in_form(fmt, "TRL's", batch) == [1.0, 0.0]
+    assert seen["completions"] == [
+        [{"role": "assistant", "content": "<think>4"}],
+        [{"role": "assistant", "content": "4"}],
+    ]
+    assert seen["prompts"] == [chat, chat] and seen["level"] == [1, 2]
+
+
 def test_a_trl_reward_function_reads_a_csv_column_and_trains_as_the_built_in_rule(tmp_path):
     lines = open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl")).read().splitlines()
     data = tmp_path / "train.csv"
@@ -410,12 +435,11 @@ def scored(fn, on_reward_error="stop", penalty=1.0, more=(), weights=()):
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty, reward_weights=weights)
     return ppo.score_responses(
-        ppo.Scorer([], [("fn", fn)] * (fn is not None) + list(more), tokenizer),
+        ppo.Scorer([], [("fn", fn)] * (fn is not None) + list(more), tokenizer, ppo.new_state()),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
         [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, ["5", "8", "8", "9"])],
-        0,
         args,
     )
 
