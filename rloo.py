@@ -1340,11 +1340,10 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
     metrics = {}
     if rules:
         metrics["objective/rule_reward"] = rule_reward.nan_to_num(0.0)
+        metrics["health/unscored_rewards"] = unscored.float()  # its mean: the share of responses no rule scored
     if len(rules) > 1:  # nan where a rule returned None: each mean is over the responses it scored
         for name, x in rules.items():
             metrics[f"reward/{name}"] = torch.where(scored[name], x.nan_to_num(0.0), float("nan"))
-    if rules:  # the share of responses that no rule scored
-        metrics["health/unscored_rewards"] = unscored.float()
     return Scores(score, metrics, texts, failed)
 
 
