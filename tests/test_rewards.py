@@ -1086,7 +1086,11 @@ def test_a_function_in_no_form_or_reading_a_column_the_data_lacks_is_refused_bef
     (tmp_path / "train.jsonl").write_text(row + "\n")
     args = grpo.Args(dataset=str(tmp_path / "train.jsonl"), reward_fn=(f"{tmp_path}/rule.py:f",), eval_every=0)
     with pytest.raises(SystemExit, match=message):
-        grpo.load_task(args, torch.device("cpu"), grpo.load_reward_fns(args))
+        reward_fns = grpo.load_reward_fns(args)  # a function in no form is refused here, the others at the data
+        try:
+            grpo.load_task(args, torch.device("cpu"), reward_fns)
+        finally:
+            reward_fns[0][1].kill()
 
 
 def test_a_function_of_ones_own_that_takes_answers_gets_a_warning_when_no_row_has_one(tmp_path):
@@ -1095,12 +1099,14 @@ def test_a_function_of_ones_own_that_takes_answers_gets_a_warning_when_no_row_ha
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "solution": "2"}\n')
     args = grpo.Args(dataset=str(data), reward_fn=(f"{tmp_path}/rule.py:exact",), eval_every=0)
+    reward_fns = grpo.load_reward_fns(args)
     with pytest.warns(UserWarning, match="has no 'answer' \\(its columns: prompt, solution\\): every answer is None"):
-        grpo.load_task(args, torch.device("cpu"), grpo.load_reward_fns(args))
+        grpo.load_task(args, torch.device("cpu"), reward_fns)
     args.answer_field = "solution"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        grpo.load_task(args, torch.device("cpu"), grpo.load_reward_fns(args))
+        grpo.load_task(args, torch.device("cpu"), reward_fns)
+    reward_fns[0][1].kill()
 
 
 def test_the_zero_signal_alarm_fires_after_ten_iterations_in_a_row_at_or_above_nine_tenths():
