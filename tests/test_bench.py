@@ -28,7 +28,7 @@ import time
 import pytest
 import torch
 import tyro
-from helpers import MODULES, ROOT, tiny_llama_config
+from helpers import MODULES, ROOT, finished, tiny_llama_config
 from packaging.requirements import Requirement
 from transformers import LlamaForCausalLM
 
@@ -57,7 +57,7 @@ def test_generated_tokens_by_hand():
 
 def test_smoke_run(tmp_path):
     out = tmp_path / "compare.md"
-    result = subprocess.run(
+    result = finished(
         [
             sys.executable,
             os.path.join(ROOT, "bench", "compare_algorithms.py"),
@@ -71,10 +71,7 @@ def test_smoke_run(tmp_path):
             "--out",
             str(out),
         ],
-        cwd=ROOT,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -89,12 +86,9 @@ def test_smoke_run(tmp_path):
 
 def test_memory_accounting_counts_parameters_by_hand(tmp_path):
     out = tmp_path / "memory.md"
-    result = subprocess.run(
+    result = finished(
         [sys.executable, os.path.join(ROOT, "bench", "memory_accounting.py"), "--small", "--out", str(out)],
-        cwd=ROOT,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -128,9 +122,7 @@ def test_quick_run_writes_a_row_per_method(tmp_path):
         "--out",
         str(out),
     ]
-    result = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=120
-    )
+    result = finished(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("|") for line in out.read_text().splitlines() if line.startswith("| tiny |")]
     assert [row[4].strip() for row in rows] == ["scripts", "static", "hf-generate", "no-cache"]  # no CUDA graph here
@@ -198,7 +190,7 @@ def test_the_long_tailed_shape_stays_in_its_ranges():
 
 def test_a_quick_run_prints_a_row_per_setting(tmp_path):
     out = tmp_path / "padding.md"
-    result = subprocess.run(
+    result = finished(
         [
             sys.executable,
             os.path.join(ROOT, "bench", "padding.py"),
@@ -208,9 +200,6 @@ def test_a_quick_run_prints_a_row_per_setting(tmp_path):
             "--out",
             str(out),
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         timeout=300,
     )
@@ -422,7 +411,7 @@ def test_iteration_times_by_hand(tmp_path):
 
 def run_bench(tmp_path, *args):
     out = tmp_path / "trl.md"
-    result = subprocess.run(
+    result = finished(
         [
             sys.executable,
             os.path.join(ROOT, "bench", "bench_trl.py"),
@@ -433,10 +422,7 @@ def run_bench(tmp_path, *args):
             str(out),
             *args,
         ],
-        cwd=ROOT,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]

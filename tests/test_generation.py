@@ -15,6 +15,7 @@ import torch
 from helpers import (
     FAMILIES,
     ROOT,
+    assert_rows_sample_as_alone,
     assert_static_decode_matches_dynamic,
     left_padded_prompts,
     tiny_llama_config,
@@ -86,15 +87,7 @@ def test_a_response_does_not_depend_on_its_batch(kernel_decode):
     uniforms = torch.rand(6, 10, generator=torch.Generator().manual_seed(2))
     sampling = ppo.Sampling(10, 0.7, EOS, PAD, kernel_decode)
     together = ppo.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
-    for b in range(6):
-        width = int(prompt_mask[b].sum())
-        alone = ppo.generate(
-            policy, prompt_ids[b : b + 1, -width:], prompt_mask[b : b + 1, -width:], sampling, uniforms[b : b + 1]
-        )
-        n = alone[0].shape[1]
-        assert torch.equal(alone[0][0], together[0][b, :n])
-        assert (together[2][b, n:] == 0).all()
-        torch.testing.assert_close(alone[1][0], together[1][b, :n], atol=1e-5, rtol=1e-5)
+    assert_rows_sample_as_alone(policy, prompt_ids, prompt_mask, sampling, uniforms, together, atol=1e-5, rtol=1e-5)
 
 
 def test_static_decode_samples_what_the_dynamic_loop_samples():
