@@ -111,7 +111,7 @@ class Args:
     reward_model_path: tuple[str, ...] = ()
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ("arithmetic",)
-    """rules, weighted, added to the reward models' minimum: arithmetic, gsm8k, or f.py:fn (TRL's, verl's forms too)"""
+    """rules, weighted, added to reward models' minimum: arithmetic, gsm8k, f.py:fn (TRL's, verl's, OpenRLHF's too)"""
     reward_weights: tuple[float, ...] = ()
     """the weight of each --reward_fn, in order (none given: 1 each)"""
 
