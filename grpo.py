@@ -2485,6 +2485,9 @@ if __name__ == "__main__":
                 "follows from --total_episodes."
             )
         main(tyro.cli(Args, use_underscores=True))
+        if "WORLD_SIZE" in os.environ:  # under torchrun: leave before the interpreter's teardown, where gloo's
+            sys.stdout.flush()  # threads, still freeing a collective's tensors, now and then abort a finished run
+            os._exit(0)
     except SystemExit as e:  # a sentence that stops the run: said once, by rank 0; every process exits with 1
         if not isinstance(e.code, str):
             raise
