@@ -2478,6 +2478,7 @@ def finish(policy, tokenizer, log, state, args, rank):
 
 if __name__ == "__main__":
     warnings.formatwarning = lambda message, category, *where: f"{category.__name__}: {message}\n"  # no source line
+    code = 0  # the process's exit code
     try:
         if any(arg.split("=")[0] in ("--num_iterations", "--num-iterations") for arg in sys.argv[1:]):  # TRL's name
             raise SystemExit(
@@ -2485,16 +2486,15 @@ if __name__ == "__main__":
                 "follows from --total_episodes."
             )
         main(tyro.cli(Args, use_underscores=True))
-        if "WORLD_SIZE" in os.environ:  # under torchrun: leave before the interpreter's teardown, where gloo's
-            sys.stdout.flush()  # threads, still freeing a collective's tensors, now and then abort a finished run
-            os._exit(0)
     except SystemExit as e:  # a sentence that stops the run: said once, by rank 0; every process exits with 1
-        if not isinstance(e.code, str):
-            raise
-        if int(os.environ.get("RANK", 0)) == 0:
+        code = 1 if isinstance(e.code, str) else e.code
+        if isinstance(e.code, str) and int(os.environ.get("RANK", 0)) == 0:
             print(e.code, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C before the run catches it (while the models load): one line, not a traceback
+        code = 130
         if int(os.environ.get("RANK", 0)) == 0:
             print("stopped by Ctrl-C while starting: nothing was saved", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    if "WORLD_SIZE" in os.environ:  # under torchrun: leave before the interpreter's teardown, where gloo's threads,
+        sys.stdout.flush()  # still freeing a collective's tensors, now and then abort a process that has ended
+        os._exit(code or 0)
+    raise SystemExit(code)
