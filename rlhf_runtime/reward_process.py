@@ -1,0 +1,229 @@
+"""The reward process: your --reward_fn runs in a fresh interpreter of its own, in a process group that a timeout or
+a stop kills whole, and is called in the form it was written for (this project's, TRL's, verl's or OpenRLHF's). The
+guarantee: a hung or crashing grader never hangs or kills the trainer, and it ends with the trainer however that ends.
+"""
+
+import functools
+import hashlib
+import importlib.util
+import inspect
+import multiprocessing.connection
+import os
+import pathlib
+import pkgutil
+import signal
+import subprocess
+import sys
+import time
+import types
+
+
+class RewardProcess:
+    """Your --reward_fn in a fresh interpreter (never a fork of this one, whose threads may hold locks), in a process
+    group of its own that a timeout or a stop kills whole; started again at the next call; it ends with the trainer.
+    form: whose form the function is in (reward_form); required: the arguments it names without a default."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.process = None
+        self.connection = None
+        self.form = None
+        self.required = []
+
+    def start(self, timeout, stops):
+        """Starts the process and loads the function there, bounded as a call: None, or (kind, the sentence why not)."""
+        ours, theirs = multiprocessing.Pipe()
+        program = f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"
+        # -P: the working folder is not first on its path, where a random.py would shadow the standard library's
+        command = [sys.executable, "-P", "-u", "-c", program]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], start_new_session=True
+        )
+        theirs.close()
+        self.connection = ours
+        kind, got = self.ask((sys.path, self.spec), timeout, stops)
+        if kind == "loaded":
+            self.form, self.required = got
+            return None
+        if self.process is not None:  # resolve_reward_fn's sentence: the process ends
+            self.kill()
+        if kind == "timeout":  # a grader whose import waits for a service that is down
+            got = f"loading it gave {got}; check what its import waits for, or pass a longer --reward_timeout."
+        return kind, f"--reward_fn {self.spec}: {got}"
+
+    def call(self, batch, timeout, stops):
+        """ask's answer to batch (score_responses'), the process started first where it is not."""
+        if stops and any(isinstance(r, int) for r in stops):  # the run is stopping: no call begins
+            return "stopped", None
+        if self.process is None:
+            failed = self.start(timeout, stops)
+            if failed:
+                return failed
+        return self.ask(batch, timeout, stops)
+
+    def ask(self, message, timeout, stops):
+        """Sends message and gives the process's answer, or ("stopped", None) as soon as stops holds a signal,
+        ("timeout", why) after timeout seconds (0: no limit), ("raised", why) if it ended: its group then killed."""
+        try:
+            self.connection.send(message)
+            end = time.monotonic() + timeout
+            while not self.connection.poll(0.1):  # a tenth of a second: a stop is seen at once
+                if stops and any(isinstance(r, int) for r in stops):
+                    self.kill()
+                    return "stopped", None
+                if timeout and time.monotonic() > end:
+                    self.kill()
+                    return "timeout", f"no answer within --reward_timeout {timeout:g} s"
+            return self.connection.recv()
+        except (EOFError, OSError):  # it ended: os._exit(), a crash, a kill from outside (a broken pipe)
+            return "raised", f"the process running it ended (exit code {self.kill()})"
+
+    def kill(self):
+        """Kills the process group: the process and what its function started (unless that left the group)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # every member had ended
+            pass
+        code = self.process.wait()
+        self.process.stdin.close()
+        self.connection.close()
+        self.process = None
+        return code
+
+
+@functools.cache  # read once: the file may be edited or replaced while the run goes on
+def reward_process_code():
+    """The reward process's program: the functions of this file that it runs, as they were when the run began."""
+    imports = "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
+    imports += ", types"
+    shipped = (reward_module, resolve_reward_fn, reward_form, reward_reply, call_in_form, call_with, serve_rewards)
+    return "\n".join([imports, *map(inspect.getsource, shipped)])
+
+
+def reward_module(path):
+    """In the reward process: a user's reward file as a module named after its stem and resolved path, so that it
+    shadows nothing (a math.py, two grader.py); in sys.modules for a forked pool, its folder last on sys.path."""
+    resolved = os.path.realpath(path)
+    name = f"{pathlib.Path(path).stem}_{hashlib.sha1(resolved.encode()).hexdigest()[:12]}"
+    sys.path.append(os.path.dirname(resolved))  # for the modules beside it
+    found = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(found)
+    sys.modules[name] = module
+    found.loader.exec_module(module)
+    return module
+
+
+def resolve_reward_fn(spec):
+    """In the reward process: (the function spec names, its form), or (None, why not: start puts the --reward_fn
+    first)."""
+    where, _, name = spec.rpartition(":")
+    try:
+        if where.endswith(".py"):
+            module = reward_module(where)
+        else:
+            module = pkgutil.resolve_name(where)
+    except BaseException as e:  # sys.exit() at import too
+        return None, (
+            f"'{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the module's name and that it "
+            "is importable from here."
+        )
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        return None, f"'{where}' has no function '{name}'; name one it defines."
+    form = reward_form(fn)
+    if form is None:
+        return None, (
+            f"{name}{inspect.signature(fn)} is in none of the forms taken: fn(responses, answers) (this project's), "
+            "fn(prompts, completions, **kwargs) (TRL's), compute_score(data_source, solution_str, ground_truth, "
+            "extra_info) (verl's), reward_func(queries, prompts, labels) (OpenRLHF's)."
+        )
+    return fn, form
+
+
+def reward_form(fn):
+    """Whose convention fn is written in, told by its arguments' names: verl's names solution_str, OpenRLHF's
+    queries, TRL's completions (or takes keywords alone), this project's fn(responses, answers); None: no one's."""
+    try:
+        arguments = inspect.signature(fn).parameters
+    except ValueError:  # a callable whose signature cannot be read (a builtin): taken as this project's
+        return "this project's"
+    if "solution_str" in arguments:
+        return "verl's"
+    if "queries" in arguments:
+        return "OpenRLHF's"
+    if "completions" in arguments or [a.kind for a in arguments.values()] == [inspect.Parameter.VAR_KEYWORD]:
+        return "TRL's"
+    try:
+        inspect.signature(fn).bind(["a response"], ["its answer"])
+    except TypeError:
+        return None
+    return "this project's"
+
+
+def reward_reply(fn, form, batch):
+    """fn called in its form on batch as ("scores", a float or None each: a generator consumed here), ("returned",
+    the type's name) when that is not a sequence of scores, or ("raised", "Type: message")."""
+    try:
+        got = call_in_form(fn, form, batch)
+        if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):
+            return "returned", type(got).__name__
+        return "scores", [None if x is None else float(x) for x in got]
+    except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
+        return "raised", f"{type(e).__name__}: {e}"
+
+
+def call_in_form(fn, form, batch):
+    """fn's answer for batch (score_responses'), called as the project whose form it is calls it."""
+    if form == "TRL's":  # as TRL's GRPOTrainer: the prompts as the data holds them, a chat's completions as messages
+        columns = {key: [row.get(key) for row in batch["columns"]] for key in batch["columns"][0]}
+        completions = batch["responses"]
+        if isinstance(batch["prompts"][0], list):
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
+        trainer_state = types.SimpleNamespace(global_step=batch["step"], max_steps=batch["max_steps"])
+        given = dict(prompts=batch["prompts"], completions=completions, completion_ids=batch["completion_ids"])
+        return call_with(fn, {**columns, **given, "trainer_state": trainer_state})
+    if form == "verl's":  # each response alone, as verl's reward manager: a number, or a dict with it as "score"
+        scores = []
+        for text, answer, row in zip(batch["responses"], batch["answers"], batch["columns"]):
+            given = dict(solution_str=text, ground_truth=answer, extra_info=row.get("extra_info"))
+            got = call_with(fn, {"data_source": row.get("data_source"), **given})
+            scores.append(got["score"] if isinstance(got, dict) else got)
+        return scores
+    if form == "OpenRLHF's":  # a tensor, a list, or a dict with them as "rewards"
+        got = call_with(fn, dict(queries=batch["queries"], prompts=batch["prompt_texts"], labels=batch["answers"]))
+        return got["rewards"] if isinstance(got, dict) else got
+    return fn(batch["responses"], batch["answers"])
+
+
+def call_with(fn, given):
+    """fn(**given), leaving out the keywords it does not take, unless it takes **kwargs."""
+    arguments = inspect.signature(fn).parameters
+    if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in arguments.values()):
+        given = {key: value for key, value in given.items() if key in arguments}
+    return fn(**given)
+
+
+def serve_rewards(fd):
+    """The reward process: loads the function, says whether it could (and its form and required arguments), then
+    answers each batch sent. It ends with the trainer, however that ends: its watcher kills the process group once
+    the trainer's stdin closes."""
+    if os.fork() == 0:  # the watcher, before any reward code: a thread would make every later fork (a pool) a risk
+        os.close(fd)  # the trainer's connection: its end is seen to close when the reward process ends
+        os.read(0, 1)
+        os.killpg(0, signal.SIGKILL)
+    connection = multiprocessing.connection.Connection(fd)
+    search_path, spec = connection.recv()
+    sys.path[:] = search_path  # the trainer's: its modules found as they would be there
+    fn, form = resolve_reward_fn(spec)
+    if fn is None:
+        connection.send(("raised", form))
+        return
+    arguments = inspect.signature(fn).parameters.values() if form == "TRL's" else []
+    required = [a.name for a in arguments if a.default is a.empty and a.kind not in (a.VAR_POSITIONAL, a.VAR_KEYWORD)]
+    connection.send(("loaded", (form, required)))
+    while True:
+        try:
+            batch = connection.recv()
+        except EOFError:  # the trainer ended
+            return
+        connection.send(reward_reply(fn, form, batch))
