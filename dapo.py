@@ -21,9 +21,6 @@ Where this file departs from the paper, and why:
 - --total_episodes counts the responses trained on, as in grpo.py: it sets the number of iterations. The responses
   generated, dropped groups included, are logged as episodes.
 
-How to read it: Args, the math, the forward passes, dynamic sampling's rows, main (the loop as numbered steps);
-below it, shared plumbing.
-
 Commands: `python dapo.py` (the embedded default: arithmetic with its checker, CPU, minutes); `python dapo.py
 --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset_config main --prompt_field question
 --chat_template --reward_fn gsm8k --mixed_precision --learning_rate 1e-6` (one GPU); `torchrun --nproc_per_node=8
@@ -71,8 +68,6 @@ class Args:
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ("arithmetic",)
     """rules, weighted, added to reward models' minimum: arithmetic, gsm8k, f.py:fn (TRL's, verl's, OpenRLHF's too)"""
-    reward_weights: tuple[float, ...] = ()
-    """the weight of each --reward_fn, in order (none given: 1 each)"""
 
     # DAPO: groups with signal, clip-higher, the token-level loss, the overlong punishment
     total_episodes: int = 64000
@@ -123,8 +118,6 @@ class Args:
     """most new tokens per response"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training and KL use the same temperature"""
-    decode: Literal["auto", "plain"] = "auto"
-    """auto: on one GPU, rlhf_kernels' decode step, each one CUDA graph; plain (and elsewhere): generate's own loop"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     mask_truncated: bool = False
@@ -370,21 +363,6 @@ def generate(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
     return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1).long()
 
 
-# ---------------------- Dynamic sampling: the groups with signal kept -----------------------------------------------
-def keep_rows_with_signal(rounds, scores, reward_failures, tokenizer, args, rank):
-    """Dynamic sampling's rollout: of the rounds' rows, as many as one round draws, those of groups with signal first
-    in the order drawn; this process's slice of them, with its input_ids, attention_mask and Scores."""
-    drawn = runtime.join_rounds(rounds, tokenizer.pad_token_id)
-    order = (1 - drawn["signal"]).argsort(stable=True)[: len(rounds[0]["signal"])]  # with signal first
-    kept = {key: x[order.chunk(args.run.world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
-    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
-    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
-    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
-    kept["has_eos"] = kept["has_eos"].bool()
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return kept, runtime.Scores(kept["raw"], {key: kept[key] for key in scores.metrics}, texts, reward_failures)
-
-
 def build_models(args, tokenizer, device):
     """Load the policy, its frozen reference and the reward models, in eval mode (no dropout). With
     --kl_coef 0 nothing reads the reference, so it is not loaded at all."""
@@ -432,54 +410,53 @@ PRINTED = [
 
 def main(args):
     # --- 0. set-up: one process per device under torchrun (a plain run needs none); the data checked first ---
-    rank, device = runtime.start_processes(args.run)
+    run = args.run  # the run's settings (rlhf_runtime.RunSettings): data, evaluation, checkpoints, precision, ...
+    rank, device = runtime.start_processes(run)
     validate(args)  # every argument checked: nothing is created or started before
     runtime.lock_output_dir(args.output_dir)  # one run per folder
-    # your reward functions, each started in a process of its own
-    reward_fns = runtime.load_reward_fns(args.reward_fn, args.run.reward_timeout)
+    reward_fns = runtime.load_reward_fns(args.reward_fn, run.reward_timeout)  # yours, each in a process of its own
     runtime.find_checkpoint(args)  # --resume: which checkpoint to go on from
-    torch.manual_seed(args.run.seed)  # the same on every process: new weights (a head, adapters) start the same
+    torch.manual_seed(run.seed)  # the same on every process: new weights (a head, adapters) start the same
     tokenizer, prompts, rows, held_out, stop_ids = runtime.load_task(args, device, reward_fns)
-    decode_graphs = runtime.graphs_decode(args.decode, device)  # rlhf_kernels' CUDA graphs, on one GPU
+    decode_graphs = runtime.graphs_decode(run.decode, device)  # rlhf_kernels' CUDA graphs, on one GPU
     sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, decode_graphs)
     G = args.num_generations
     responses_per_iteration = args.rollout_batch_size * G
-    args.run.num_iterations = args.total_episodes // responses_per_iteration
+    run.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models = build_models(args, tokenizer, device)
     models = {"policy": policy}
     optimizers = {"policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)}
     all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
-    # Everything besides the model and optimiser that a resumed run needs, in one place.
-    if args.run.resume:
+    if run.resume:  # the state: everything besides the model and optimiser that a resumed run needs
         state = runtime.load_checkpoint(args, models, optimizers)
     else:
         state = runtime.new_state()
     scorer = runtime.Scorer(reward_models, reward_fns, tokenizer, state, combine_scores)  # state: for TRL's functions
     log = runtime.Log(args, state, rank, tokenizer, PRINTED)
     stops = runtime.catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
-    if held_out[0] and not args.run.resume:  # the starting policy's score: the curves' first point
+    if held_out[0] and not run.resume:  # the starting policy's score: the curves' first point
         log.evaluation(runtime.evaluate(generate, policy, scorer, sampling, held_out, args, stops), state)
         runtime.stop_if_asked(stops, state, models, optimizers, args)
 
-    for iteration in range(state["iteration"] + 1, args.run.num_iterations + 1):
+    for iteration in range(state["iteration"] + 1, run.num_iterations + 1):
         clock = runtime.Stopwatch()
-        rng = torch.Generator().manual_seed(args.run.seed * 1_000_000 + iteration)  # the same on every process
+        rng = torch.Generator().manual_seed(run.seed * 1_000_000 + iteration)  # the same on every process
         data_position = state["data_position"]  # each round draws the next prompts
         drawn = []  # each round's responses, of every process
         reward_failures = 0  # this process's, over the rounds
         for _round in range(args.max_sampling_rounds):
             # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+            # width: the longest prompt of every process's
             idx, width, data_position = runtime.next_prompts(
-                prompts, data_position, args.rollout_batch_size, args.run.seed, args.run.world_size, rank
-            )  # width: on any process
+                prompts, data_position, args.rollout_batch_size, run.seed, run.world_size, rank
+            )
             idx = [i for i in idx for _ in range(G)]  # each prompt G times in a row: a group stays on one process
             prompt_ids, prompt_mask = runtime.left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
             P = prompt_ids.shape[1]  # (B, P), B = local prompts x G
 
             # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the responses ---
-            uniforms = runtime.row_uniforms(rng, len(idx), args.response_length, args.run.world_size, rank).to(
-                device
-            )  # (B, response_length)
+            # (B, response_length): this process's rows of the draws made for every process
+            uniforms = runtime.row_uniforms(rng, len(idx), args.response_length, run.world_size, rank).to(device)
             responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
             input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
             attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
@@ -487,9 +464,7 @@ def main(args):
             scores = runtime.score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
             has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
             train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
-            runtime.stop_if_asked(
-                stops, state, models, optimizers, args
-            )  # a failed reward, a signal: the state before step 1
+            runtime.stop_if_asked(stops, state, models, optimizers, args)  # a failed reward, a signal: before step 1
             # Dynamic sampling (Yu et al. 2025, eq. 11): rounds until rollout_batch_size groups have scores that differ
             overlong = overlong_penalty(
                 response_mask.sum(1),
@@ -521,7 +496,9 @@ def main(args):
             if groups_with_signal >= args.rollout_batch_size:
                 break
         # The first rollout_batch_size groups with signal in the order drawn (then those without); each its slice
-        kept, scores = keep_rows_with_signal(drawn, scores, reward_failures, tokenizer, args, rank)
+        signal = torch.cat([rows["signal"] for rows in drawn])  # (rounds x N,) every round's rows, every process's
+        order = (1 - signal).argsort(stable=True)[:responses_per_iteration]  # with signal first, in the order drawn
+        kept, scores = runtime.keep_rows(drawn, order, scores.metrics, reward_failures, tokenizer, run.world_size, rank)
         prompt_ids = kept["prompt_ids"]
         P = prompt_ids.shape[1]
         input_ids = kept["input_ids"]
@@ -538,10 +515,8 @@ def main(args):
                 score = score + overlong  # DAPO's soft overlong punishment
 
             # --- 4. group-relative advantages, one per response; the reference's log-probs for the KL term ---
-            every_score = runtime.gather_rows({"score": score})[
-                "score"
-            ]  # (N,) every process's, for --scale_rewards batch
-            advantages = group_advantages(every_score, G, args.scale_rewards).chunk(args.run.world_size)[rank]  # (B,)
+            every_score = runtime.gather_rows({"score": score})["score"]  # (N,) every process's: --scale_rewards batch
+            advantages = group_advantages(every_score, G, args.scale_rewards).chunk(run.world_size)[rank]  # (B,)
             group_std = score.view(-1, G).std(1, unbiased=False)  # (B / G,)
             zero_signal = zero_signal_groups(score, G)  # (B / G,)
             if args.drop_zero_signal_groups:
@@ -581,15 +556,11 @@ def main(args):
                 mb_mask = rollout["train_mask"][mb_idx]
                 mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
                 mb_sequences = mb_mask.amax(1).sum().item()  # responses it trains on
-                mine = mb_idx.chunk(args.run.world_size)[rank]  # this process's share
+                mine = mb_idx.chunk(run.world_size)[rank]  # this process's share
                 if mb_tokens == 0:  # every response left out: no step, not even Adam's momentum
                     continue
-                for micro_idx in runtime.by_length(mine, rollout["attention_mask"]).split(
-                    args.micro_batch_size
-                ):  # sorted
-                    micro, p = runtime.cut_padding(
-                        {k: v[micro_idx] for k, v in rollout.items()}, P
-                    )  # cut: (micro, p + T')
+                for micro_idx in runtime.by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):
+                    micro, p = runtime.cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # (micro, p + T')
                     mask = micro["train_mask"].float()  # (micro, T')
                     logprobs, entropy = response_logprobs(
                         policy, micro["input_ids"], micro["attention_mask"], p, args.temperature, return_entropy=True
@@ -615,8 +586,8 @@ def main(args):
                     loss = (per_token * weights).sum()
                     loss.backward()  # under FSDP2, also sums the gradients over the processes
                     runtime.add_token_stats(stats, mask, ratio, logprobs, micro["logprobs_old"], terms)
-                runtime.step_optimizers(
-                    models, optimizers, stats, state, iteration, args.max_grad_norm, args.run.max_bad_steps
+                runtime.optimizer_step(
+                    models, optimizers, stats, state, iteration, args.max_grad_norm, run.max_bad_steps
                 )
         runtime.adapter_dropout(models.values(), on=False)
         clock.lap("optimize")
@@ -626,10 +597,8 @@ def main(args):
         state["iteration"] = iteration
         state["episodes"] += responses_per_iteration
         state["data_position"] = data_position
-        m = runtime.dashboard(stats, state, scores, rollout, clock, args.mask_truncated, args.run.world_size)
-        m["memory/model_states_mb"] = runtime.megabytes_held(
-            all_models, optimizers.values()
-        )  # this process's (rank 0's)
+        m = runtime.dashboard(stats, state, scores, rollout, clock, args.mask_truncated, run.world_size)
+        m["memory/model_states_mb"] = runtime.megabytes_held(all_models, optimizers.values())  # rank 0's share
         if args.overlong_buffer:
             m["objective/overlong_penalty"] = runtime.global_mean(overlong)
         m["rollout/sampling_rounds"] = len(drawn)
@@ -644,10 +613,10 @@ def main(args):
             m["objective/kl_coef"] = args.kl_coef
 
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
-        if held_out[0] and (iteration % args.run.eval_every == 0 or iteration == args.run.num_iterations):
+        if held_out[0] and (iteration % run.eval_every == 0 or iteration == run.num_iterations):
             m.update(runtime.evaluate(generate, policy, scorer, sampling, held_out, args, stops))
         log.iteration(m, state, prompt_ids, scores.texts, scores.raw)
-        if (args.run.save_every and iteration % args.run.save_every == 0) or iteration == args.run.num_iterations:
+        if (run.save_every and iteration % run.save_every == 0) or iteration == run.num_iterations:
             runtime.save_checkpoint(args, models, optimizers, state, rank)
         runtime.stop_if_asked(stops, state, models, optimizers, args)
 

@@ -19,8 +19,6 @@ Where this file departs from the papers, and why:
   the fixes for value divergence and reward exploitation; a response that never ends pays a penalty.
 - Dropout stays off in every model (eval mode), so that the ratio on the first minibatch is exactly 1.
 
-How to read it: Args, the math, the forward passes, main (the loop as numbered steps); below it, shared plumbing.
-
 Commands: `python ppo.py` (the embedded default: tiny models, CPU, minutes); `python ppo.py --model_name_or_path
 Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --mixed_precision` (one GPU, hub
 models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, every model sharded with FSDP2).
@@ -29,10 +27,8 @@ models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, e
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.cache_utils import DynamicCache
@@ -69,8 +65,6 @@ class Args:
     """reward models (sequence classifiers, one label); with several, the score is their minimum"""
     reward_fn: tuple[str, ...] = ()
     """rules, weighted, added to reward models' minimum: arithmetic, gsm8k, f.py:fn (TRL's, verl's, OpenRLHF's too)"""
-    reward_weights: tuple[float, ...] = ()
-    """the weight of each --reward_fn, in order (none given: 1 each)"""
 
     # PPO: batches, the critic, GAE, the KL penalty in the reward
     total_episodes: int = 9600
@@ -118,8 +112,6 @@ class Args:
     """most new tokens per response"""
     temperature: float = 1.0
     """sampling temperature; the log-probs of training and KL use the same temperature"""
-    decode: Literal["auto", "plain"] = "auto"
-    """auto: on one GPU, rlhf_kernels' decode step, each one CUDA graph; plain (and elsewhere): generate's own loop"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score (after normalisation) of a response that never reaches EOS (or end of turn)"""
     mask_truncated: bool = False
@@ -377,8 +369,7 @@ def build_models(args, tokenizer, device):
     reward_models = runtime.load_reward_models(args.reward_model_path, tokenizer, args.run, device)
     if args.shared_backbone:
         value_model = ValueHead(policy)
-        if dist.is_initialized():
-            runtime.shard(value_model, args.run.mixed_precision)
+        runtime.shard(value_model, args.run.mixed_precision)  # under torchrun
         return policy, ref_policy, reward_models, value_model
     value_path = args.value_model_path  # by default the first reward model (Ouyang et al.), else the policy
     if value_path is None:
@@ -397,12 +388,8 @@ def build_models(args, tokenizer, device):
 
 def validate(args):
     """Everything that can be checked before a model loads: one sentence for each mistake, naming the fix."""
-    runtime.require(
-        args,
-        ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target", "kl_horizon"),
-        "must be positive",
-        lambda v: v > 0,
-    )
+    positive = ("learning_rate", "clip_range", "value_learning_rate", "value_clip_range", "kl_target", "kl_horizon")
+    runtime.require(args, positive, "must be positive", lambda v: v > 0)
     runtime.require(args, ("kl_coef", "vf_coef"), "must be zero or more", lambda v: v >= 0)
     runtime.require(args, ("gamma", "lam"), "must lie in [0, 1]", lambda v: 0 <= v <= 1)
     runtime.check_common_args(args, responses_per_iteration=args.rollout_batch_size)  # the policy and the reward models
@@ -429,18 +416,18 @@ PRINTED = [
 
 def main(args):
     # --- 0. set-up: one process per device under torchrun (a plain run needs none); the data checked first ---
-    rank, device = runtime.start_processes(args.run)
+    run = args.run  # the run's settings (rlhf_runtime.RunSettings): data, evaluation, checkpoints, precision, ...
+    rank, device = runtime.start_processes(run)
     validate(args)  # every argument checked: nothing is created or started before
     runtime.lock_output_dir(args.output_dir)  # one run per folder
-    # your reward functions, each started in a process of its own
-    reward_fns = runtime.load_reward_fns(args.reward_fn, args.run.reward_timeout)
+    reward_fns = runtime.load_reward_fns(args.reward_fn, run.reward_timeout)  # yours, each in a process of its own
     runtime.find_checkpoint(args)  # --resume: which checkpoint to go on from
-    torch.manual_seed(args.run.seed)  # the same on every process: new weights (a head, adapters) start the same
+    torch.manual_seed(run.seed)  # the same on every process: new weights (a head, adapters) start the same
     tokenizer, prompts, rows, held_out, stop_ids = runtime.load_task(args, device, reward_fns)
-    decode_graphs = runtime.graphs_decode(args.decode, device)  # rlhf_kernels' CUDA graphs, on one GPU
+    decode_graphs = runtime.graphs_decode(run.decode, device)  # rlhf_kernels' CUDA graphs, on one GPU
     sampling = Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, decode_graphs)
     responses_per_iteration = args.rollout_batch_size
-    args.run.num_iterations = args.total_episodes // responses_per_iteration
+    run.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
     models = {"policy": policy, "value": value_model}
     optimizers = {
@@ -448,34 +435,32 @@ def main(args):
         "value": torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5, fused=True),
     }
     all_models = [policy, ref_policy, *[rm for rm, _ in reward_models], value_model]
-    # Everything besides the models and optimisers that a resumed run needs, in one place.
-    if args.run.resume:
+    if run.resume:  # the state: everything besides the models and optimisers that a resumed run needs
         state = runtime.load_checkpoint(args, models, optimizers)
     else:
         state = runtime.new_state(kl_coef=args.kl_coef, score_moments=(0.0, 1.0, 0.0))
     scorer = runtime.Scorer(reward_models, reward_fns, tokenizer, state, combine_scores)  # state: for TRL's functions
     log = runtime.Log(args, state, rank, tokenizer, PRINTED)
     stops = runtime.catch_stop_signals()  # the reasons to stop that come up: a signal, a failed reward
-    if held_out[0] and not args.run.resume:  # the starting policy's score: the curves' first point
+    if held_out[0] and not run.resume:  # the starting policy's score: the curves' first point
         log.evaluation(runtime.evaluate(generate, policy, scorer, sampling, held_out, args, stops), state)
         runtime.stop_if_asked(stops, state, models, optimizers, args)
 
-    for iteration in range(state["iteration"] + 1, args.run.num_iterations + 1):
+    for iteration in range(state["iteration"] + 1, run.num_iterations + 1):
         clock = runtime.Stopwatch()
-        rng = torch.Generator().manual_seed(args.run.seed * 1_000_000 + iteration)  # the same on every process
+        rng = torch.Generator().manual_seed(run.seed * 1_000_000 + iteration)  # the same on every process
         # --- 1. prompts: the same shuffled order on every process, each taking its own slice ---
+        # width: the longest prompt of every process's
         idx, width, data_position = runtime.next_prompts(
-            prompts, state["data_position"], args.rollout_batch_size, args.run.seed, args.run.world_size, rank
-        )  # width: on any process
-        prompt_ids, prompt_mask = runtime.left_pad(
-            [prompts[i] for i in idx], tokenizer.pad_token_id, device, width
-        )  # (B, P)
+            prompts, state["data_position"], args.rollout_batch_size, run.seed, run.world_size, rank
+        )
+        # (B, P), left-padded to the longest prompt of every process's
+        prompt_ids, prompt_mask = runtime.left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
         P = prompt_ids.shape[1]
 
         # --- 2. generate with the current policy, recording logprobs_old as we sample; 3. score the full responses ---
-        uniforms = runtime.row_uniforms(rng, len(idx), args.response_length, args.run.world_size, rank).to(
-            device
-        )  # (B, response_length)
+        # (B, response_length): this process's rows of the draws made for every process
+        uniforms = runtime.row_uniforms(rng, len(idx), args.response_length, run.world_size, rank).to(device)
         responses, logprobs_old, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
         input_ids = torch.cat([prompt_ids, responses], 1)  # (B, P + T)
         attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (B, P + T)
@@ -483,9 +468,7 @@ def main(args):
         scores = runtime.score_responses(scorer, input_ids, attention_mask, P, [rows[i] for i in idx], args, stops)
         has_eos = torch.isin(responses, sampling.stop_ids).any(1)  # (B,) ended by EOS or the end of turn
         train_mask = response_mask * (has_eos | (not args.mask_truncated))[:, None]  # (B, T) what the loss reads
-        runtime.stop_if_asked(
-            stops, state, models, optimizers, args
-        )  # a failed reward, a signal: the state before step 1
+        runtime.stop_if_asked(stops, state, models, optimizers, args)  # a failed reward, a signal: before step 1
 
         with torch.no_grad():
             score = scores.raw  # (B,)
@@ -542,15 +525,11 @@ def main(args):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
                 mb_mask = rollout["train_mask"][mb_idx]
                 mb_tokens = mb_mask.sum().item()  # valid tokens in the global minibatch
-                mine = mb_idx.chunk(args.run.world_size)[rank]  # this process's share
+                mine = mb_idx.chunk(run.world_size)[rank]  # this process's share
                 if mb_tokens == 0:  # every response left out: no step, not even Adam's momentum
                     continue
-                for micro_idx in runtime.by_length(mine, rollout["attention_mask"]).split(
-                    args.micro_batch_size
-                ):  # sorted
-                    micro, p = runtime.cut_padding(
-                        {k: v[micro_idx] for k, v in rollout.items()}, P
-                    )  # cut: (micro, p + T')
+                for micro_idx in runtime.by_length(mine, rollout["attention_mask"]).split(args.micro_batch_size):
+                    micro, p = runtime.cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)  # (micro, p + T')
                     mask = micro["train_mask"].float()  # (micro, T')
                     logprobs, entropy = response_logprobs(
                         policy, micro["input_ids"], micro["attention_mask"], p, args.temperature, return_entropy=True
@@ -558,9 +537,8 @@ def main(args):
                     if args.shared_backbone:  # the trunk's output of the forward just above: no second pass
                         values = value_model(hidden=value_model.trunk_output).squeeze(-1).float()[:, :-1]
                     else:
-                        values = runtime.head_outputs(value_model, micro["input_ids"], micro["attention_mask"])[
-                            :, p - 1 : -1
-                        ]
+                        values = runtime.head_outputs(value_model, micro["input_ids"], micro["attention_mask"])
+                        values = values[:, p - 1 : -1]  # V(s_t) before each response token t
                     pg_loss, ratio, pg_clipped = clip_loss(
                         logprobs, micro["logprobs_old"], micro["advantages"], args.clip_range, args.clip_range
                     )
@@ -580,8 +558,8 @@ def main(args):
                     if args.dual_clip:
                         terms["policy/dual_clipfrac"] = dual_clipped
                     runtime.add_token_stats(stats, mask, ratio, logprobs, micro["logprobs_old"], terms)
-                runtime.step_optimizers(
-                    models, optimizers, stats, state, iteration, args.max_grad_norm, args.run.max_bad_steps
+                runtime.optimizer_step(
+                    models, optimizers, stats, state, iteration, args.max_grad_norm, run.max_bad_steps
                 )
         runtime.adapter_dropout(models.values(), on=False)
         clock.lap("optimize")
@@ -590,10 +568,8 @@ def main(args):
         state["iteration"] = iteration
         state["episodes"] += responses_per_iteration
         state["data_position"] = data_position
-        m = runtime.dashboard(stats, state, scores, rollout, clock, args.mask_truncated, args.run.world_size)
-        m["memory/model_states_mb"] = runtime.megabytes_held(
-            all_models, optimizers.values()
-        )  # this process's (rank 0's)
+        m = runtime.dashboard(stats, state, scores, rollout, clock, args.mask_truncated, run.world_size)
+        m["memory/model_states_mb"] = runtime.megabytes_held(all_models, optimizers.values())  # rank 0's share
         seq_kl = kl.sum(1)  # (B,) KL of each response to the reference, in nats
         valid = rollout["response_mask"]  # (N, T) every process's
         var_residual = masked_var(rollout["returns"] - rollout["values_old"], valid).item()
@@ -609,9 +585,7 @@ def main(args):
                 "val/mean": masked_mean(rollout["values_old"], valid).item(),
                 "adv/mean": masked_mean(rollout["raw_advantages"], valid).item(),
                 "adv/std": masked_var(rollout["raw_advantages"], valid).item() ** 0.5,
-                "health/zero_signal": float(
-                    runtime.global_mean((scores.raw - m["objective/score"]) ** 2) == 0
-                ),  # all alike
+                "health/zero_signal": float(runtime.global_mean((scores.raw - m["objective/score"]) ** 2) == 0),
             }
         )
 
@@ -622,10 +596,10 @@ def main(args):
             )
 
         # --- 8. held-out score, alarms for the classic failure modes, the log; 9. a checkpoint ---
-        if held_out[0] and (iteration % args.run.eval_every == 0 or iteration == args.run.num_iterations):
+        if held_out[0] and (iteration % run.eval_every == 0 or iteration == run.num_iterations):
             m.update(runtime.evaluate(generate, policy, scorer, sampling, held_out, args, stops))
         log.iteration(m, state, prompt_ids, scores.texts, scores.raw)
-        if (args.run.save_every and iteration % args.run.save_every == 0) or iteration == args.run.num_iterations:
+        if (run.save_every and iteration % run.save_every == 0) or iteration == run.num_iterations:
             runtime.save_checkpoint(args, models, optimizers, state, rank)
         runtime.stop_if_asked(stops, state, models, optimizers, args)
 

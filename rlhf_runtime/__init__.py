@@ -30,8 +30,8 @@ from rlhf_runtime.checkpoints import (
     load_checkpoint,
     lock_output_dir,
     new_state,
+    optimizer_step,
     save_checkpoint,
-    step_optimizers,
     stop_if_asked,
 )
 from rlhf_runtime.data import load_task, next_prompts
@@ -47,5 +47,5 @@ from rlhf_runtime.processes import (
     shard,
     start_processes,
 )
-from rlhf_runtime.rewards import Scorer, Scores, evaluate, load_reward_fns, score_responses
+from rlhf_runtime.rewards import Scorer, Scores, evaluate, keep_rows, load_reward_fns, score_responses
 from rlhf_runtime.settings import ASSETS, RunSettings, check_common_args, check_model_path, require

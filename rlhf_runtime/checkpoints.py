@@ -380,7 +380,7 @@ def stop_if_asked(stops, state, models, optimizers, args):
     raise SystemExit(1)
 
 
-def step_optimizers(models, optimizers, stats, state, iteration, max_grad_norm, max_bad_steps):
+def optimizer_step(models, optimizers, stats, state, iteration, max_grad_norm, max_bad_steps):
     """One optimiser step: each model's gradient norm clipped to max_grad_norm, then every optimiser steps, unless a
     norm is not finite or too many were in a row (step_is_finite); the gradients cleared either way."""
     grad_norms = {}

@@ -38,7 +38,7 @@ def load_model(model_class, path, run, device, trained, **kwargs):
 
         task_type = "CAUSAL_LM" if model_class is AutoModelForCausalLM else "SEQ_CLS"
         model = get_peft_model(model, lora_config(run, task_type)).eval()
-    if dist.is_initialized() and (trained or not run.replicate_frozen):
+    if trained or not run.replicate_frozen:  # under torchrun
         shard(model, run.mixed_precision)
     return model
 

@@ -89,7 +89,10 @@ def global_mean(x, mask=None):
 
 
 def shard(model, mixed_precision):
-    """FSDP2 over all processes, a unit per transformer block; gradients summed, as each loss is a share of one."""
+    """FSDP2 over all processes, a unit per transformer block; gradients summed, as each loss is a share of one.
+    A plain run's model stays whole."""
+    if not dist.is_initialized():
+        return
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     blocks = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]  # as each model names them
     for module in blocks + [model]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf_runtime.batches import head_outputs, in_chunks, left_pad
+from rlhf_runtime.batches import head_outputs, in_chunks, join_rounds, left_pad
 from rlhf_runtime.processes import all_processes, global_mean
 from rlhf_runtime.reward_process import RewardProcess, reward_reply
 
@@ -89,7 +89,7 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
         failures.append((torch.where(scored[name], rules[name], 0.0), why))
     rule_reward = None  # (B,) the rules' weighted sum over those that scored each response, as TRL's
     if rules:
-        weights = args.reward_weights or [1.0] * len(rules)
+        weights = args.run.reward_weights or [1.0] * len(rules)
         terms = [torch.where(scored[name], w * x, 0.0) for w, (name, x) in zip(weights, rules.items())]
         rule_reward = functools.reduce(torch.add, terms)
         unscored = ~functools.reduce(torch.logical_or, scored.values())  # (B,) no rule scored it: it counts 0
@@ -106,6 +106,19 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
         for name, x in rules.items():
             metrics[f"reward/{name}"] = torch.where(scored[name], x.nan_to_num(0.0), float("nan"))
     return Scores(score, metrics, texts, failed)
+
+
+def keep_rows(rounds, order, metrics, failed, tokenizer, world_size, rank):
+    """Rounds of rows (each every process's) joined, the rows order names kept, this process's slice of them with its
+    input_ids and attention_mask (B, P + T) rebuilt, and their Scores (metrics: the keys; failed: this process's)."""
+    drawn = join_rounds(rounds, tokenizer.pad_token_id)
+    kept = {key: x[order.chunk(world_size)[rank]] for key, x in drawn.items()}  # (B, ...) each
+    responses = torch.where(kept["response_mask"].bool(), kept["response_ids"], tokenizer.pad_token_id)
+    kept["input_ids"] = torch.cat([kept["prompt_ids"], responses], 1)  # (B, P + T)
+    kept["attention_mask"] = torch.cat([kept["prompt_mask"], kept["response_mask"]], 1)  # (B, P + T)
+    kept["has_eos"] = kept["has_eos"].bool()
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return kept, Scores(kept["raw"], {key: kept[key] for key in metrics}, texts, failed)
 
 
 def replace_failed_scores(score, failures, texts, tokenizer, prompt_ids, args, stops):

@@ -27,10 +27,14 @@ class RunSettings:
     """dtype of the models' weights"""
     hub_kernels: bool = False
     """let transformers replace layers with kernels it downloads from the Hugging Face Hub (GPU; needs the network)"""
+    decode: Literal["auto", "plain"] = "auto"
+    """auto: on one GPU, rlhf_kernels' decode step, each one CUDA graph; plain (and elsewhere): generate's own loop"""
     dataset_split: str = "train"
     """split of a hub --dataset"""
     dataset_config: str | None = None
     """configuration of a hub --dataset and --eval_dataset, for those that have several (openai/gsm8k: main)"""
+    reward_weights: tuple[float, ...] = ()
+    """the weight of each --reward_fn, in order (none given: 1 each)"""
     prompt_field: str = "prompt"
     """the dataset column holding the prompts: text, or chat messages (a list of {"role", "content"})"""
     chat_template: bool = False
@@ -169,8 +173,8 @@ def check_common_args(args, responses_per_iteration):
     names = [spec.rpartition(":")[2] for spec in args.reward_fn]
     same_name = "gives two functions one name, and each logs its scores as reward/<name>; rename one"
     require(args, ("reward_fn",), same_name, lambda v: len(set(names)) == len(names))
-    require(args, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
-    require(args, ("reward_weights",), f"must each be {within}", lambda v: all(abs(w) <= most for w in v))
+    require(run, ("reward_weights",), "needs one weight per --reward_fn", lambda v: len(v) in (0, len(names)))
+    require(run, ("reward_weights",), f"must each be {within}", lambda v: all(abs(w) <= most for w in v))
     if run.mixed_precision and run.model_dtype != "float32":
         raise SystemExit("--mixed_precision keeps float32 master weights and computes in bf16; drop --model_dtype.")
     config = check_model_path(run.model_name_or_path, "causal LM", "--model_name_or_path")
