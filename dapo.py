@@ -130,7 +130,7 @@ class Args:
     """weight of the entropy bonus (c2, 0 to 0.01)"""
 
     run: tyro.conf.OmitArgPrefixes[runtime.RunSettings] = field(default_factory=runtime.RunSettings)
-    """the run's settings, shared by every script: --help lists them after the algorithm's, as their own group"""
+    """the run's settings, alike in every script: models and data, evaluation, logging, alarms, checkpoints, LoRA"""
 
 
 # ---------------------------------- The math: small pure functions, tensors in and tensors out ------------------

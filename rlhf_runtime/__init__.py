@@ -47,5 +47,5 @@ from rlhf_runtime.processes import (
     shard,
     start_processes,
 )
-from rlhf_runtime.rewards import Scorer, Scores, evaluate, keep_rows, load_reward_fns, score_responses
+from rlhf_runtime.rewards import Scorer, evaluate, keep_rows, load_reward_fns, score_responses
 from rlhf_runtime.settings import ASSETS, RunSettings, check_common_args, check_model_path, require
