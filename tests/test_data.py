@@ -1,5 +1,6 @@
-"""Data read as written (shared code, through grpo.py's and ppo.py's copies): .jsonl, .csv, .tsv, .parquet, compressed
-or not, a hub dataset with its configuration; each case compared with what was written (the rows a .jsonl of the same
+"""Data read as written (rlhf_runtime/data.py, the same code for every script: tested once here, with ppo.py's or
+grpo.py's Args where a task's options matter): .jsonl, .csv, .tsv, .parquet, compressed or not, a hub dataset with its
+configuration; each case compared with what was written (the rows a .jsonl of the same
 values gives); bad data named by its row in one sentence before any model loads, leaving nothing behind; the held-out
 set found beside the training file."""
 
@@ -13,11 +14,13 @@ import warnings
 
 import pytest
 import torch
-from helpers import MODULES, ROOT, args_for
+from helpers import ROOT, args_for, make_args
 from transformers import AutoTokenizer
 
 import grpo
 import ppo
+from rlhf_runtime.data import held_out_dataset, load_prompts, load_task, read_rows
+from rlhf_runtime.settings import RunSettings
 
 POLICY = os.path.join(ROOT, "assets", "tiny-sft")
 
@@ -49,17 +52,16 @@ def table(kind):
 def test_csv_and_tsv_cells_are_read_as_text_as_the_jsonl_reader_sees_them(tmp_path):
     """Every cell as text, compressed or not: "119" stays "119" beside a "3.5" (not "119.0"), and "N/A", "nan", ""
     stay strings (not None). Before, datasets' csv reader turned them into floats and nulls, and .tsv was not read."""
-    args = grpo.Args(eval_every=0)
     compressions = {"": bytes, ".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}
     for kind in ("csv", "tsv"):
         expected = [{"prompt": PROMPTS[kind].format(i=i), "answer": cell} for i, cell in enumerate(CELLS)]
         jsonl = tmp_path / f"{kind}.jsonl"
         jsonl.write_text("".join(json.dumps(row) + "\n" for row in expected))
-        assert grpo.read_rows(str(jsonl), "train", args) == expected  # the .jsonl reader: the reference
+        assert read_rows(str(jsonl), "train") == expected  # the .jsonl reader: the reference
         for suffix, compress in compressions.items():
             path = tmp_path / f"rows.{kind}{suffix}"
             path.write_bytes(compress(table(kind).encode()))
-            assert grpo.read_rows(str(path), "train", args) == expected, path.name
+            assert read_rows(str(path), "train") == expected, path.name
 
 
 def test_a_tsv_is_a_row_a_line_and_its_quotes_are_text(tmp_path):
@@ -72,10 +74,10 @@ def test_a_tsv_is_a_row_a_line_and_its_quotes_are_text(tmp_path):
     path = tmp_path / "train.tsv"
     path.write_text("\n".join(lines) + "\n")
     expected = [dict(zip(["prompt", "answer"], line.split("\t"))) for line in lines[1:]]
-    assert grpo.read_rows(str(path), "train", grpo.Args()) == expected
+    assert read_rows(str(path), "train") == expected
     path.write_text("prompt\tanswer\n1\t+1=\t2\n")  # a tab in a prompt is a separator
     with pytest.raises(SystemExit, match=r"line 2 of '.*train.tsv' has 3 cells and its header 2; fix that line \(a "):
-        grpo.read_rows(str(path), "train", grpo.Args())
+        read_rows(str(path), "train")
 
 
 def test_json_lines_are_split_at_newlines_alone(tmp_path):
@@ -84,7 +86,7 @@ def test_json_lines_are_split_at_newlines_alone(tmp_path):
     rows = [{"prompt": f"line{sep}break", "answer": "1"} for sep in ("\u2028", "\u2029", "\x85")]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    assert grpo.read_rows(str(path), "train", grpo.Args()) == rows
+    assert read_rows(str(path), "train") == rows
 
 
 def test_a_csv_cell_longer_than_the_csv_modules_default_limit_is_read(tmp_path):
@@ -93,7 +95,7 @@ def test_a_csv_cell_longer_than_the_csv_modules_default_limit_is_read(tmp_path):
     answer = "assert f(1) == 2\n" * 62_500
     path = tmp_path / "train.csv"
     path.write_text(f'prompt,answer\nwrite f,"{answer}"\n')
-    assert grpo.read_rows(str(path), "train", grpo.Args()) == [{"prompt": "write f", "answer": answer}]
+    assert read_rows(str(path), "train") == [{"prompt": "write f", "answer": answer}]
 
 
 @pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".bz2", bz2.compress), (".xz", lzma.compress)])
@@ -104,7 +106,7 @@ def test_a_compressed_file_cut_short_is_one_sentence(suffix, compress, tmp_path)
     path = tmp_path / f"train.jsonl{suffix}"
     path.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(SystemExit, match=f"dataset file '.*train.jsonl{suffix}' is not a whole {suffix} file \\("):
-        grpo.read_rows(str(path), "train", grpo.Args())
+        read_rows(str(path), "train")
 
 
 def test_a_fifo_is_said_to_be_no_regular_file(tmp_path):
@@ -112,14 +114,14 @@ def test_a_fifo_is_said_to_be_no_regular_file(tmp_path):
     path = tmp_path / "train.jsonl"
     os.mkfifo(path)
     with pytest.raises(SystemExit, match=f"^dataset file '{re.escape(str(path))}' is not a regular file; pass a file"):
-        grpo.read_rows(str(path), "train", grpo.Args())
+        read_rows(str(path), "train")
 
 
 def test_a_csv_row_of_other_width_is_named(tmp_path):
     path = tmp_path / "rows.csv"
     path.write_text("prompt,answer\n1+1=,2\n2+2=,4,extra\n")
     with pytest.raises(SystemExit, match=r"line 3 of '.*rows.csv' has 3 cells and its header 2; fix that line"):
-        grpo.read_rows(str(path), "train", grpo.Args())
+        read_rows(str(path), "train")
 
 
 def test_a_data_path_is_a_path_never_a_pattern(tmp_path):
@@ -127,9 +129,8 @@ def test_a_data_path_is_a_path_never_a_pattern(tmp_path):
     (tmp_path / "train[1].csv").write_text("prompt,answer\nbrackets,1\n")
     (tmp_path / "train1.csv").write_text("prompt,answer\nno brackets,2\n")
     (tmp_path / "data[v2].csv").write_text("prompt,answer\nalone,3\n")
-    args = grpo.Args()
-    assert grpo.read_rows(str(tmp_path / "train[1].csv"), "train", args) == [{"prompt": "brackets", "answer": "1"}]
-    assert grpo.read_rows(str(tmp_path / "data[v2].csv"), "train", args) == [{"prompt": "alone", "answer": "3"}]
+    assert read_rows(str(tmp_path / "train[1].csv"), "train") == [{"prompt": "brackets", "answer": "1"}]
+    assert read_rows(str(tmp_path / "data[v2].csv"), "train") == [{"prompt": "alone", "answer": "3"}]
 
 
 @pytest.mark.parametrize("kind", ["csv", "parquet"])
@@ -149,7 +150,7 @@ def test_a_file_rewritten_in_place_is_read_again(kind, tmp_path):
         if stamp is None:
             stamp = os.stat(path).st_mtime_ns
         os.utime(path, ns=(stamp, stamp))
-        assert grpo.read_rows(str(path), "train", grpo.Args()) == rows
+        assert read_rows(str(path), "train") == rows
 
 
 def test_zstd_is_said_and_every_compression_the_docs_list_is_read(tmp_path):
@@ -163,10 +164,10 @@ def test_zstd_is_said_and_every_compression_the_docs_list_is_read(tmp_path):
     for suffix in listed:
         path = tmp_path / f"train.jsonl{suffix}"
         path.write_bytes(compress[suffix](b'{"prompt": "1+1=", "answer": "2"}\n'))
-        assert grpo.read_rows(str(path), "train", grpo.Args()) == [{"prompt": "1+1=", "answer": "2"}]
+        assert read_rows(str(path), "train") == [{"prompt": "1+1=", "answer": "2"}]
     (tmp_path / "train.jsonl.zst").write_bytes(b"(\xb5/\xfd")
     with pytest.raises(SystemExit, match="is compressed with zstd, .*; decompress it \\(zstd -d\\)"):
-        grpo.read_rows(str(tmp_path / "train.jsonl.zst"), "train", grpo.Args())
+        read_rows(str(tmp_path / "train.jsonl.zst"), "train")
 
 
 def test_local_data_in_every_format_reads_as_the_jsonl(tmp_path):
@@ -183,18 +184,18 @@ def test_local_data_in_every_format_reads_as_the_jsonl(tmp_path):
     (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
     (tmp_path / "TRAIN.JSONL").write_bytes(jsonl.read_bytes())
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
-    args = grpo.Args(eval_every=0)
-    prompts, expected = grpo.load_prompts(str(jsonl), "train", args, tokenizer)
+    args = make_args(grpo, eval_every=0)
+    prompts, expected = load_prompts(str(jsonl), "train", args.run, tokenizer, args.reward_fn)
     for name in ("train.csv", "train.parquet", "train.jsonl.gz", "TRAIN.JSONL"):
-        got, got_rows = grpo.load_prompts(str(tmp_path / name), "train", args, tokenizer)
+        got, got_rows = load_prompts(str(tmp_path / name), "train", args.run, tokenizer, args.reward_fn)
         assert got == prompts, name
         assert [(r["prompt"], str(r["answer"])) for r in got_rows] == [(r["prompt"], r["answer"]) for r in expected]
     (tmp_path / "folder.jsonl").mkdir()
     with pytest.raises(SystemExit, match="dataset file '.*folder.jsonl' is a folder; pass a file of"):
-        grpo.load_prompts(str(tmp_path / "folder.jsonl"), "train", args, tokenizer)
+        load_prompts(str(tmp_path / "folder.jsonl"), "train", args.run, tokenizer, args.reward_fn)
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(SystemExit, match="dataset file '.*bad.parquet' could not be loaded .*; check its contents"):
-        grpo.load_prompts(str(tmp_path / "bad.parquet"), "train", args, tokenizer)
+        load_prompts(str(tmp_path / "bad.parquet"), "train", args.run, tokenizer, args.reward_fn)
 
 
 def test_hub_dataset_configuration_is_passed_to_load_dataset(monkeypatch):
@@ -208,11 +209,12 @@ def test_hub_dataset_configuration_is_passed_to_load_dataset(monkeypatch):
         return [{"question": f"{path}/{name}/{split}", "answer": "#### 1"}]
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    args = ppo.Args(dataset="openai/gsm8k")
+    run = RunSettings()
     with pytest.raises(SystemExit, match="--dataset_config"):
-        ppo.read_rows("openai/gsm8k", "train", args)
-    args.dataset_config = "main"
-    assert ppo.read_rows("openai/gsm8k", "train", args) == [{"question": "openai/gsm8k/main/train", "answer": "#### 1"}]
+        read_rows("openai/gsm8k", "train", run.prompt_field, run.dataset_config)
+    run.dataset_config = "main"
+    rows = read_rows("openai/gsm8k", "train", run.prompt_field, run.dataset_config)
+    assert rows == [{"question": "openai/gsm8k/main/train", "answer": "#### 1"}]
 
 
 # ---------------------------------------------------------------- bad data, in one sentence before any model loads
@@ -226,40 +228,41 @@ def test_bad_datasets(tmp_path):
         json.dumps({"prompt": "the food was " * 20}) + "\n" + json.dumps({"prompt": "the plot was"}) + "\n"
     )
     with pytest.raises(SystemExit, match="does not exist"):
-        ppo.load_prompts(str(tmp_path / "missing.jsonl"), "train", ppo.Args(), tokenizer)
+        load_prompts(str(tmp_path / "missing.jsonl"), "train", RunSettings(), tokenizer)
     with pytest.raises(SystemExit, match="empty"):
-        ppo.load_prompts(str(tmp_path / "empty.jsonl"), "train", ppo.Args(), tokenizer)
+        load_prompts(str(tmp_path / "empty.jsonl"), "train", RunSettings(), tokenizer)
     with pytest.raises(SystemExit, match="no 'prompt' column"):
-        ppo.load_prompts(str(tmp_path / "wrong.jsonl"), "train", ppo.Args(), tokenizer)
+        load_prompts(str(tmp_path / "wrong.jsonl"), "train", RunSettings(), tokenizer)
     with pytest.raises(SystemExit, match="longer than --max_prompt_length 16"):
-        ppo.load_prompts(str(tmp_path / "long.jsonl"), "train", ppo.Args(max_prompt_length=16), tokenizer)
+        load_prompts(str(tmp_path / "long.jsonl"), "train", RunSettings(max_prompt_length=16), tokenizer)
     with pytest.warns(UserWarning, match="cut to their last 16 tokens"):
-        prompts, _ = ppo.load_prompts(
-            str(tmp_path / "long.jsonl"), "train", ppo.Args(max_prompt_length=16, truncate_prompts=True), tokenizer
+        prompts, _ = load_prompts(
+            str(tmp_path / "long.jsonl"), "train", RunSettings(max_prompt_length=16, truncate_prompts=True), tokenizer
         )
     full = tokenizer("the food was " * 20, add_special_tokens=False)["input_ids"]
     assert prompts[0] == full[-16:]
     assert prompts[1] == tokenizer("the plot was", add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit, match="needs an answer column"):
-        ppo.load_prompts(
+        load_prompts(
             str(tmp_path / "long.jsonl"),
             "train",
-            ppo.Args(reward_fn=("arithmetic",), max_prompt_length=200),
+            RunSettings(max_prompt_length=200),
             tokenizer,
+            ("arithmetic",),
         )
     (tmp_path / "broken.jsonl").write_text(
         json.dumps({"prompt": "the food was"}) + "\n\n" + '{"prompt": "the plot was"' + "\n"
     )
     with pytest.raises(SystemExit, match="line 3 of '.*broken.jsonl' is not valid JSON"):
-        ppo.load_prompts(str(tmp_path / "broken.jsonl"), "train", ppo.Args(), tokenizer)
+        load_prompts(str(tmp_path / "broken.jsonl"), "train", RunSettings(), tokenizer)
     (tmp_path / "number.jsonl").write_text(json.dumps({"prompt": 12}) + "\n")
     with pytest.raises(SystemExit, match="row 1 of .* has a int as its prompt"):
-        ppo.load_prompts(str(tmp_path / "number.jsonl"), "train", ppo.Args(), tokenizer)
+        load_prompts(str(tmp_path / "number.jsonl"), "train", RunSettings(), tokenizer)
     # HF_HUB_OFFLINE=1 (conftest): a hub dataset cannot be fetched, and the error says so instead of a traceback
     with pytest.raises(
         SystemExit, match="hub dataset 'someone/reviews' could not be loaded .*; check its name, the split 'train'"
     ):
-        ppo.load_prompts("someone/reviews", "train", ppo.Args(), tokenizer)
+        load_prompts("someone/reviews", "train", RunSettings(), tokenizer)
 
 
 def test_bad_datasets_name_the_row_and_leave_nothing_behind(tmp_path):
@@ -275,10 +278,10 @@ def test_bad_datasets_name_the_row_and_leave_nothing_behind(tmp_path):
     for name, (content, message) in cases.items():
         (tmp_path / name).write_bytes(content)
         out = tmp_path / f"run_{name}"
-        args = ppo.Args(dataset=str(tmp_path / name), output_dir=str(out), eval_every=0)
+        args = make_args(ppo, dataset=str(tmp_path / name), output_dir=str(out), eval_every=0)
         ppo.validate(args)
         with pytest.raises(SystemExit, match=message):
-            ppo.load_task(args, torch.device("cpu"))
+            load_task(args, torch.device("cpu"))
         assert not out.exists(), f"{name}: the output folder was left behind"
 
 
@@ -290,7 +293,7 @@ def test_a_built_in_rule_refuses_an_answer_that_is_not_text_or_a_number(answer, 
 
     rows = [{"prompt": "100+19=", "answer": "119"}, {"prompt": "1+1=", "answer": answer}]
     tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
-    args = grpo.Args(eval_every=0, reward_fn=("arithmetic",))
+    args = make_args(grpo, eval_every=0, reward_fn=("arithmetic",))
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     paths = [path]
@@ -303,50 +306,54 @@ def test_a_built_in_rule_refuses_an_answer_that_is_not_text_or_a_number(answer, 
             match=f"row [12] of '{re.escape(str(path))}' has a (list|dict) as its 'answer' .*; the built-in rules "
             "compare text or a number: store the answer as one.",
         ):
-            grpo.load_prompts(str(path), "train", args, tokenizer)
+            load_prompts(str(path), "train", args.run, tokenizer, args.reward_fn)
 
 
 def test_a_null_answer_for_a_built_in_rule_is_refused(tmp_path):
     """ "answer": null would be scored against the text 'None'; the row is named before any model loads."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": null}\n')
-    args = grpo.Args(dataset=str(data), output_dir=str(tmp_path / "run"), eval_every=0)
+    args = make_args(grpo, dataset=str(data), output_dir=str(tmp_path / "run"), eval_every=0)
     grpo.validate(args)
     with pytest.raises(
         SystemExit,
         match="--reward_fn arithmetic needs an answer column, but row 2 of .* has no \\(or a null\\) 'answer'",
     ):
-        grpo.load_task(args, torch.device("cpu"))
+        load_task(args, torch.device("cpu"))
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "rloo.py"])
-def test_a_rule_reward_needs_answers(script, tmp_path):
-    args = args_for(script, tmp_path, reward_fn=("arithmetic",))
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+def test_a_rule_reward_needs_answers(tmp_path):
+    # grpo.py alone: the check is rlhf_runtime's load_prompts, one code for every script (it was run through grpo.py's
+    # and rloo.py's copies when each script held its own); one script's Args exercise all of it.
+    args = args_for("grpo.py", tmp_path, reward_fn=("arithmetic",))
+    tokenizer = AutoTokenizer.from_pretrained(args.run.model_name_or_path)
+    reviews = os.path.join(ROOT, "assets", "reviews", "train.jsonl")
     with pytest.raises(
         SystemExit, match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"
     ):
-        MODULES[script].load_prompts(os.path.join(ROOT, "assets", "reviews", "train.jsonl"), "train", args, tokenizer)
+        load_prompts(reviews, "train", args.run, tokenizer, args.reward_fn)
 
 
 # ---------------------------------------------------------------- the held-out set
 
 
+def held_out_of(**values):
+    """The path of the held-out set load_task reads (None: none) for ppo.py's Args of these options: held_out_dataset
+    of its --dataset, --eval_dataset and --eval_every (10 by default)."""
+    args = make_args(ppo, **values)
+    return held_out_dataset(args.dataset, args.run.eval_dataset, args.run.eval_every)
+
+
 def test_held_out_dataset_defaults_to_the_test_split_beside_the_training_file(tmp_path):
     arithmetic = os.path.join(ROOT, "assets", "arithmetic")
-    assert ppo.held_out_dataset(ppo.Args(dataset=os.path.join(arithmetic, "train.jsonl"))) == os.path.join(
-        arithmetic, "test.jsonl"
-    )
-    assert (
-        ppo.held_out_dataset(ppo.Args(dataset=os.path.join(arithmetic, "train.jsonl"), eval_dataset="x.jsonl"))
-        == "x.jsonl"
-    )
-    assert ppo.held_out_dataset(ppo.Args(dataset=os.path.join(arithmetic, "train.jsonl"), eval_every=0)) is None
+    assert held_out_of(dataset=os.path.join(arithmetic, "train.jsonl")) == os.path.join(arithmetic, "test.jsonl")
+    assert held_out_of(dataset=os.path.join(arithmetic, "train.jsonl"), eval_dataset="x.jsonl") == "x.jsonl"
+    assert held_out_of(dataset=os.path.join(arithmetic, "train.jsonl"), eval_every=0) is None
     (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "the food was"}) + "\n")
     # no train/test layout: no evaluation
-    assert ppo.held_out_dataset(ppo.Args(dataset=str(tmp_path / "prompts.jsonl"))) is None
-    assert ppo.held_out_dataset(ppo.Args(dataset="someone/reviews")) is None
+    assert held_out_of(dataset=str(tmp_path / "prompts.jsonl")) is None
+    assert held_out_of(dataset="someone/reviews") is None
 
 
 def test_eval_every_without_a_held_out_set_is_said(tmp_path):
@@ -355,7 +362,7 @@ def test_eval_every_without_a_held_out_set_is_said(tmp_path):
     with pytest.warns(
         UserWarning, match="--eval_every 5: no held-out set \\(pass --eval_dataset\\); nothing is evaluated"
     ):
-        held_out = grpo.load_task(grpo.Args(dataset=str(data), eval_every=5), torch.device("cpu"))[3]
+        held_out = load_task(make_args(grpo, dataset=str(data), eval_every=5), torch.device("cpu"))[3]
     assert held_out == ([], [])
 
 
@@ -369,26 +376,26 @@ def test_the_test_file_beside_a_training_file_of_any_format_is_the_held_out_set(
         folder.mkdir()
         train = folder / f"train.{extension}"
         train.write_text("")
-        assert ppo.held_out_dataset(ppo.Args(dataset=str(train))) is None  # nothing beside it
+        assert held_out_of(dataset=str(train)) is None  # nothing beside it
         (folder / "test.jsonl.gz").write_text("")  # of another format: not the training file's test split
         if extension != "jsonl.gz":
-            assert ppo.held_out_dataset(ppo.Args(dataset=str(train))) is None
+            assert held_out_of(dataset=str(train)) is None
         (folder / f"test.{extension}").write_text("")
-        assert ppo.held_out_dataset(ppo.Args(dataset=str(train))) == str(folder / f"test.{extension}")
-        assert ppo.held_out_dataset(ppo.Args(dataset=str(train), eval_every=0)) is None
+        assert held_out_of(dataset=str(train)) == str(folder / f"test.{extension}")
+        assert held_out_of(dataset=str(train), eval_every=0) is None
     (tmp_path / "prompts.csv").write_text("")
     (tmp_path / "test.csv").write_text("")
-    assert ppo.held_out_dataset(ppo.Args(dataset=str(tmp_path / "prompts.csv"))) is None  # no train/test layout
+    assert held_out_of(dataset=str(tmp_path / "prompts.csv")) is None  # no train/test layout
 
 
 def test_eval_every_warns_where_no_test_file_stands_beside_a_csv_and_evaluates_where_one_does(tmp_path):
     (tmp_path / "train.csv").write_text("prompt,answer\n1+1=,2\n")
-    args = grpo.Args(dataset=str(tmp_path / "train.csv"), eval_every=5)
+    args = make_args(grpo, dataset=str(tmp_path / "train.csv"), eval_every=5)
     with pytest.warns(UserWarning, match="--eval_every 5: no held-out set \\(pass --eval_dataset\\)"):
-        assert grpo.load_task(args, torch.device("cpu"))[3] == ([], [])
+        assert load_task(args, torch.device("cpu"))[3] == ([], [])
     (tmp_path / "test.csv").write_text("prompt,answer\n2+2=,4\n")
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        held_out = grpo.load_task(args, torch.device("cpu"))[3]
+        held_out = load_task(args, torch.device("cpu"))[3]
     assert held_out[1] == [{"prompt": "2+2=", "answer": "4"}]
     assert not [w for w in warned if "held-out" in str(w.message)]

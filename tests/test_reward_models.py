@@ -1,8 +1,9 @@
-"""Reward models (shared code, tested through ppo.py's copy and a run of rloo.py): the score of several is their
-minimum; a reward model with a tokenizer of its own re-tokenises the prompt and the decoded response, and its score
-equals the one it gives the same text fed to it directly, one sequence at a time, through transformers' own
-classifier; a reward model on the policy's tokenizer keeps reading the token ids; a tokenizer without a pad or with ids
-past its model's embeddings is refused before the model loads."""
+"""Reward models (rlhf_runtime's loading and scoring, the same code for every script: tested once, with ppo.py's
+combine_scores, and in a run of rloo.py): the score of several is their minimum; a reward model with a tokenizer of its
+own re-tokenises the prompt and the decoded response, and its score equals the one it gives the same text fed to it
+directly, one sequence at a time, through transformers' own classifier; a reward model on the policy's tokenizer keeps
+reading the token ids; a tokenizer without a pad or with ids past its model's embeddings is refused before the model
+loads."""
 
 import json
 import os
@@ -16,6 +17,8 @@ from transformers import AutoTokenizer, LlamaForSequenceClassification, PreTrain
 
 import grpo
 import ppo
+import rlhf_runtime as runtime
+from rlhf_runtime.rewards import reward_model_inputs
 
 
 def test_scores_take_the_minimum_over_reward_models():
@@ -73,7 +76,7 @@ def other_rm(tmp_path_factory):
 
 def scored_batch(reward_models, args):
     tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
-    prompt_ids, prompt_mask = ppo.left_pad(
+    prompt_ids, prompt_mask = runtime.left_pad(
         [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id, "cpu"
     )
     replies = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in RESPONSES]
@@ -81,8 +84,8 @@ def scored_batch(reward_models, args):
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
     rows = [{"prompt": p} for p in PROMPTS]
-    return ppo.score_responses(
-        ppo.Scorer(reward_models, [], tokenizer, ppo.new_state()),
+    return runtime.score_responses(
+        runtime.Scorer(reward_models, [], tokenizer, runtime.new_state(), ppo.combine_scores),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
@@ -94,7 +97,7 @@ def scored_batch(reward_models, args):
 def test_a_reward_model_with_its_own_tokenizer_scores_the_text(other_rm):
     args = ppo.Args(reward_model_path=(other_rm,))
     policy_tokenizer = AutoTokenizer.from_pretrained(POLICY)
-    ((rm, own),) = ppo.load_reward_models(args, policy_tokenizer, "cpu")
+    ((rm, own),) = runtime.load_reward_models(args.reward_model_path, policy_tokenizer, args.run, "cpu")
     assert own is not None
     assert own.get_vocab() != policy_tokenizer.get_vocab()
     scores = scored_batch([(rm, own)], args)
@@ -110,7 +113,7 @@ def test_a_reward_model_with_its_own_tokenizer_scores_the_text(other_rm):
 def test_the_reward_models_chat_template_frames_the_text(other_rm):
     own = AutoTokenizer.from_pretrained(other_rm, padding_side="left")
     own.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    ids, mask = ppo.reward_model_inputs(
+    ids, mask = reward_model_inputs(
         own,
         ["the food was", [{"role": "system", "content": "rate it"}, {"role": "user", "content": "the bed"}]],
         [" good", " soft"],
@@ -124,7 +127,8 @@ def test_the_reward_models_chat_template_frames_the_text(other_rm):
 
 def test_a_reward_model_on_the_policys_tokenizer_reads_the_token_ids():
     args = ppo.Args()
-    ((rm, own),) = ppo.load_reward_models(args, AutoTokenizer.from_pretrained(POLICY), "cpu")
+    policy_tokenizer = AutoTokenizer.from_pretrained(POLICY)
+    ((rm, own),) = runtime.load_reward_models(args.reward_model_path, policy_tokenizer, args.run, "cpu")
     assert own is None
     score = scored_batch([(rm, own)], args).raw
     tokenizer = AutoTokenizer.from_pretrained(POLICY)
@@ -177,7 +181,7 @@ def test_a_reward_tokenizer_with_ids_past_the_embeddings_is_refused_before_its_m
     args = ppo.Args(reward_model_path=(str(rm),))
     policy_tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
     with pytest.raises(SystemExit, match="ids past the model's 784 embeddings \\(its largest is 1302\\)"):
-        ppo.load_reward_models(args, policy_tokenizer, "cpu")
+        runtime.load_reward_models(args.reward_model_path, policy_tokenizer, args.run, "cpu")
 
 
 def test_reward_model_tokenizers_without_a_pad_or_with_ids_past_the_embeddings_are_refused(tmp_path):
@@ -200,4 +204,4 @@ def test_reward_model_tokenizers_without_a_pad_or_with_ids_past_the_embeddings_a
             match=rf"the tokenizer beside --reward_model_path '{rm}' has no pad, EOS or unk "
             rf"token, or ids past the model's {vocab} embeddings \(its largest is 9\); save the one",
         ):
-            grpo.load_reward_models(args, policy, torch.device("cpu"))
+            runtime.load_reward_models(args.reward_model_path, policy, args.run, torch.device("cpu"))

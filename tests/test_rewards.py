@@ -1,12 +1,13 @@
-"""Reward functions (shared code, through ppo.py's and grpo.py's copies): the built-in rules by hand; the user's own,
-from a file or a module, alone or several weighted, against the built-in rule or one function returning their sum; a
-failure, a non-finite score, a wrong return named on its response; and reward code run where it can always be
-stopped: each --reward_fn of the user's own runs in a process of its own, a fresh interpreter in a process group that
-a timeout or a stop signal kills whole. Each case is a grader as people write them (a shell command, a subprocess, a
-thread pool, a process pool, a grader that catches the timeout, a lazy generator, one with its own alarm, sys.exit, a
-math.py, two grader.py, an import that waits for a service, a random.py in the working folder) and is compared with
-what must happen: the call or the loading ends within its timeout, nothing it started is left, the failure is named
-as it happened, the scores are those of a plain loop, a run is the one whose reward never failed."""
+"""Reward functions (rlhf_runtime/rewards.py and reward_process.py, the same code for every script: tested once, its
+runs through grpo.py): the built-in rules by hand; the user's own, from a file or a module, alone or several weighted,
+against the built-in rule or one function returning their sum; a failure, a non-finite score, a wrong return named on
+its response; and reward code run where it can always be stopped: each --reward_fn of the user's own runs in a process
+of its own, a fresh interpreter in a process group that a timeout or a stop signal kills whole. Each case is a grader
+as people write them (a shell command, a subprocess, a thread pool, a process pool, a grader that catches the timeout,
+a lazy generator, one with its own alarm, sys.exit, a math.py, two grader.py, an import that waits for a service, a
+random.py in the working folder) and is compared with what must happen: the call or the loading ends within its
+timeout, nothing it started is left, the failure is named as it happened, the scores are those of a plain loop, a run
+is the one whose reward never failed."""
 
 import hashlib
 import importlib.util
@@ -36,6 +37,7 @@ from helpers import (
     cli,
     final_state,
     launch,
+    make_args,
     read_rows,
     resume_as_printed,
     run_main,
@@ -50,12 +52,15 @@ from transformers import AutoTokenizer
 
 import grpo
 import ppo
+import rlhf_runtime as runtime
+from rlhf_runtime import log, rewards
+from rlhf_runtime.reward_process import call_in_form
 
 # ---------------------------------------------------------------- the built-in rules
 
 
 def test_arithmetic_reward():
-    assert ppo.arithmetic_reward([" 95", "94", "95 "], ["95", "95", "95"]) == [1.0, 0.0, 1.0]
+    assert rewards.arithmetic_reward([" 95", "94", "95 "], ["95", "95", "95"]) == [1.0, 0.0, 1.0]
 
 
 def test_gsm8k_reward_reads_the_last_number_against_the_answer_after_hashes():
@@ -70,11 +75,11 @@ def test_gsm8k_reward_reads_the_last_number_against_the_answer_after_hashes():
         "The answer is 72.0",  # the same number written as a decimal: right
         "No idea.",  # no number: wrong
     ]
-    assert ppo.gsm8k_reward(responses, [answer] * 4) == [1.0, 0.0, 1.0, 0.0]
+    assert rewards.gsm8k_reward(responses, [answer] * 4) == [1.0, 0.0, 1.0, 0.0]
     # thousands separator, sign
-    assert ppo.gsm8k_reward(["It costs $1,234 in total.", "-5"], ["#### 1234", "#### -5"]) == [1.0, 1.0]
-    assert ppo.last_number("1,234.50 and then 7") == 7.0
-    assert ppo.last_number("2.50 dollars") == 2.5
+    assert rewards.gsm8k_reward(["It costs $1,234 in total.", "-5"], ["#### 1234", "#### -5"]) == [1.0, 1.0]
+    assert rewards.last_number("1,234.50 and then 7") == 7.0
+    assert rewards.last_number("2.50 dollars") == 2.5
 
 
 # ---------------------------------------------------------------- the user's own reward function
@@ -107,8 +112,8 @@ def test_a_reward_function_by_module_name(tmp_path, monkeypatch):
     (tmp_path / "rules_pkg" / "__init__.py").write_text("")
     (tmp_path / "rules_pkg" / "arith.py").write_text(SAME_AS_ARITHMETIC)
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = grpo.load_reward_fn("rules_pkg.arith:exact", 10)
-    assert grpo.call_reward_fn(fn, dict(responses=["12", " 7 ", "x"], answers=["12", "8", "x"]), 10) == (
+    fn = rewards.load_reward_fn("rules_pkg.arith:exact", 10)
+    assert rewards.call_reward_fn(fn, dict(responses=["12", " 7 ", "x"], answers=["12", "8", "x"]), 10) == (
         [1.0, 0.0, 1.0],
         None,
     )
@@ -131,14 +136,14 @@ def test_a_bad_reward_function_stops_before_any_model_loads(spec, message, tmp_p
     args = grpo.Args(reward_fn=(spec.format(tmp=tmp_path),), output_dir=str(tmp_path / "run"))
     grpo.validate(args)  # the arguments are well formed; starting the function is main's next set-up step
     with pytest.raises(SystemExit, match=message):
-        grpo.load_reward_fns(args)
+        rewards.load_reward_fns(args.reward_fn, args.run.reward_timeout)
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("spec", ["None", "none"])
 def test_reward_fn_none_is_refused_as_no_rules_name(spec):
     with pytest.raises(SystemExit, match=f"unknown --reward_fn '{spec}'; choose one of"):
-        set_up(grpo, grpo.Args(reward_fn=(spec,), eval_every=0))
+        set_up(grpo, make_args(grpo, reward_fn=(spec,), eval_every=0))
 
 
 # ---------------------------------------------------------------- several weighted rule rewards
@@ -166,15 +171,16 @@ def scored_by_rules(tmp_path, specs, weights=()):
     prompts = ["1+1=", "2+2=", "9+9=", "50+50="]
     answers = ["2", "4", "18", "100"]
     replies = ["2", "5", "18", "100"]
-    prompt_ids, prompt_mask = ppo.left_pad([tokenizer(p)["input_ids"] for p in prompts], tokenizer.pad_token_id, "cpu")
+    encode = [tokenizer(p)["input_ids"] for p in prompts]
+    prompt_ids, prompt_mask = runtime.left_pad(encode, tokenizer.pad_token_id, "cpu")
     ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in replies]
     width = max(map(len, ids))
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in ids])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
-    fns = [(spec.rpartition(":")[2], ppo.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}", 600)) for spec in specs]
-    args = ppo.Args(reward_fn=tuple(specs), reward_weights=weights)
-    return ppo.score_responses(
-        ppo.Scorer([], fns, tokenizer, ppo.new_state()),
+    fns = [(spec.rpartition(":")[2], rewards.load_reward_fn(f"{tmp_path / 'rules.py'}:{spec}", 600)) for spec in specs]
+    args = make_args(ppo, reward_fn=tuple(specs), reward_weights=weights)
+    return runtime.score_responses(
+        runtime.Scorer([], fns, tokenizer, runtime.new_state(), ppo.combine_scores),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
@@ -216,13 +222,13 @@ def test_a_failing_rule_among_several_is_named(tmp_path):
 )
 def test_bad_weights_or_names_stop_before_any_model_loads(kw, message, tmp_path):
     with pytest.raises(SystemExit, match=message):
-        grpo.validate(grpo.Args(output_dir=str(tmp_path / "run"), **kw))
+        grpo.validate(make_args(grpo, output_dir=str(tmp_path / "run"), **kw))
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("weight", [float("nan"), float("inf"), -float("inf"), 1e39])
 def test_reward_weights_must_be_finite_and_within_float32(weight):
-    args = grpo.Args(reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0, weight))
+    args = make_args(grpo, reward_fn=("arithmetic", "gsm8k"), reward_weights=(1.0, weight))
     with pytest.raises(SystemExit, match=r"--reward_weights must each be finite and within \+-3.4e\+38 \(got "):
         grpo.validate(args)
 
@@ -335,7 +341,7 @@ def test_a_chat_datasets_completions_reach_a_trl_function_as_messages_and_only_t
         step=3,
         max_steps=10,
     )
-    assert ppo.call_in_form(fmt, "TRL's", batch) == [1.0, 0.0]
+    assert call_in_form(fmt, "TRL's", batch) == [1.0, 0.0]
     assert seen["completions"] == [
         [{"role": "assistant", "content": "<think>4"}],
         [{"role": "assistant", "content": "4"}],
@@ -402,7 +408,7 @@ def test_a_none_does_not_apply_as_in_trl_and_is_kept_apart_from_a_failure(tmp_pa
     (with one warning); each function's mean is over the responses it scored; a None is no failure."""
     (tmp_path / "rules.py").write_text(NONE_RULES)
     specs = [f"{tmp_path}/rules.py:{name}" for name in ("correct", "words")]
-    fns = [(spec, ppo.load_reward_fn(spec, 60)) for spec in specs]
+    fns = [(spec, rewards.load_reward_fn(spec, 60)) for spec in specs]
     with pytest.warns(UserWarning, match="no --reward_fn scored .* counts 0, as in TRL"):
         scores = scored(None, more=fns, weights=(1.0, 0.5))  # --on_reward_error stop: a None stops nothing
     # responses "5", "8", "nine", "9" to answers 5, 8, 8, 9: correct gives 1, 1, 0, None; words None, None, 2, None
@@ -428,14 +434,15 @@ def scored(fn, on_reward_error="stop", penalty=1.0, more=(), weights=()):
     pairs) and no reward model."""
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"), padding_side="left")
     encode = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in PROMPTS]
-    prompt_ids, prompt_mask = ppo.left_pad(encode, tokenizer.pad_token_id, "cpu")
+    prompt_ids, prompt_mask = runtime.left_pad(encode, tokenizer.pad_token_id, "cpu")
     replies = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in RESPONSES]
     width = max(map(len, replies))
     responses = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in replies])
     response_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in replies])
-    args = ppo.Args(on_reward_error=on_reward_error, missing_eos_penalty=penalty, reward_weights=weights)
-    return ppo.score_responses(
-        ppo.Scorer([], [("fn", fn)] * (fn is not None) + list(more), tokenizer, ppo.new_state()),
+    args = make_args(ppo, on_reward_error=on_reward_error, missing_eos_penalty=penalty, reward_weights=weights)
+    fns = [("fn", fn)] * (fn is not None) + list(more)
+    return runtime.score_responses(
+        runtime.Scorer([], fns, tokenizer, runtime.new_state(), ppo.combine_scores),
         torch.cat([prompt_ids, responses], 1),
         torch.cat([prompt_mask, response_mask], 1),
         prompt_ids.shape[1],
@@ -512,7 +519,7 @@ def test_a_wrong_number_of_scores_is_named():
 def test_a_wrong_return_is_named(returned, why):
     """Before, a str had each character taken as a score, a wrong count blamed one response with "too many values
     to unpack", and 1e300 (finite in Python, inf in float32) was called "not a finite number"."""
-    scores, reason = grpo.call_reward_fn(
+    scores, reason = rewards.call_reward_fn(
         lambda responses, answers: returned, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10
     )
     assert reason == why
@@ -520,10 +527,10 @@ def test_a_wrong_return_is_named(returned, why):
 
 
 def test_a_reward_that_scores_every_response_gives_no_reason():
-    assert ppo.call_reward_fn(
+    assert rewards.call_reward_fn(
         lambda responses, answers: [1.0, 0.5], dict(responses=["a", "b"], answers=[1, 2]), 10
     ) == ([1.0, 0.5], None)
-    scores, reason = ppo.call_reward_fn(
+    scores, reason = rewards.call_reward_fn(
         lambda responses, answers: [1.0, float("nan")], dict(responses=["a", "b"], answers=[1, 2]), 10
     )
     assert reason == "not a finite number"
@@ -535,7 +542,7 @@ def test_a_reward_that_raises_on_the_batch_alone_fails_every_response():
             raise ZeroDivisionError("division by zero")
         return [1.0]
 
-    scores, reason = ppo.call_reward_fn(batch_only, dict(responses=["a", "b"], answers=[1, 2]), 10)
+    scores, reason = rewards.call_reward_fn(batch_only, dict(responses=["a", "b"], answers=[1, 2]), 10)
     assert all(score != score for score in scores)  # nan: no score is taken from a grader that disagrees with itself
     assert reason.startswith("nan: the batch's call raised (ZeroDivisionError: division by zero) but no single")
 
@@ -572,8 +579,8 @@ def test_a_reward_that_hangs_on_each_response_is_not_retried_past_the_first_time
         "        raise ValueError('batch unsupported')\n"
         "    time.sleep(30)\n"
     )
-    reward_fn = grpo.load_reward_fn(f"{rule}:grader", 10)
-    scores, why = grpo.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), timeout=0.5)
+    reward_fn = rewards.load_reward_fn(f"{rule}:grader", 10)
+    scores, why = rewards.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), timeout=0.5)
     assert (tmp_path / "calls").read_text().split() == ["3", "1"]
     assert all(s != s for s in scores)
     assert len(scores) == 3
@@ -586,7 +593,7 @@ def test_penalised_reward_errors_are_counted_in_a_run_and_shown_on_its_lines(
     def half_broken(texts, answers):  # a reward that fails on every other response
         return [float("nan") if i % 2 else 1.0 for i in range(len(texts))]
 
-    monkeypatch.setitem(grpo.REWARD_FNS, "arithmetic", half_broken)
+    monkeypatch.setitem(rewards.REWARD_FNS, "arithmetic", half_broken)
     grpo.main(args_for("grpo.py", tmp_path, total_episodes=16, on_reward_error="penalty"))
     rows = read_rows(tmp_path)
     assert [r["health/reward_errors"] for r in rows] == [4, 4]  # 4 of the 8 responses of each iteration
@@ -698,9 +705,9 @@ TIMED_OUT = "an error (TimeoutError: no answer within --reward_timeout 1 s)"
 )
 def test_a_reward_call_ends_within_its_timeout_with_everything_it_started(graders, name, why):
     threads_before = threading.active_count()
-    reward_fn = ppo.load_reward_fn(f"{graders}:{name}", 30)
+    reward_fn = rewards.load_reward_fn(f"{graders}:{name}", 30)
     started = time.time()
-    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a response"], answers=["its answer"]), 1)
+    scores, reason = rewards.call_reward_fn(reward_fn, dict(responses=["a response"], answers=["its answer"]), 1)
     assert time.time() - started < 15
     assert reason == why
     assert math.isnan(scores[0])  # no score taken from it
@@ -721,7 +728,8 @@ def test_nothing_a_grader_started_outlives_the_trainer(graders):
     """The trainer killed with SIGKILL (none of its code runs) while its grader waits on a subprocess: the reward
     process sees the trainer's end of its stdin close and kills its group (before: the subprocess lived on)."""
     batch = "dict(responses=['a'], answers=[1])"
-    call = f"import ppo; ppo.call_reward_fn(ppo.load_reward_fn({str(graders)!r} + ':popen', 0), {batch}, 0)"
+    reward = f"rewards.call_reward_fn(rewards.load_reward_fn({str(graders)!r} + ':popen', 0), {batch}, 0)"
+    call = f"from rlhf_runtime import rewards; {reward}"
     trainer = subprocess.Popen([sys.executable, "-c", call], cwd=ROOT, env=ENV)
     started = graders.parent / "pids" / "popen"
     while not started.exists() or not started.read_text():
@@ -735,16 +743,16 @@ def test_nothing_a_grader_started_outlives_the_trainer(graders):
 def test_a_stop_signal_ends_a_reward_call_at_once_whatever_the_timeout(graders):
     """SIGTERM or Ctrl-C (a signal in stops) while the grader hangs, under the default 600 s timeout: the call is
     left within a second, its process killed; the next call starts a fresh one."""
-    reward_fn = ppo.load_reward_fn(f"{graders}:popen", 600)
+    reward_fn = rewards.load_reward_fn(f"{graders}:popen", 600)
     stops = []
     threading.Timer(0.5, stops.append, [signal.SIGTERM]).start()
     started = time.time()
-    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a", "b"], answers=[1, 2]), 600, stops)
+    scores, reason = rewards.call_reward_fn(reward_fn, dict(responses=["a", "b"], answers=[1, 2]), 600, stops)
     assert time.time() - started < 5
     assert reason == "stopped by a signal"
     assert reward_fn.process is None
     assert (
-        ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 1)[1] == TIMED_OUT
+        rewards.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 1)[1] == TIMED_OUT
     )  # a fresh process, killed again
 
 
@@ -754,32 +762,34 @@ def test_reward_code_never_runs_in_a_fork_of_the_trainer(graders, keep_signal_ha
     swallowed the pool's SIGTERM, and Pool.__exit__ waited for it forever (2 of 25 runs, on a loaded machine); a
     fork also copies locks the trainer's other threads hold. The grader runs in a fresh interpreter: no torch, the
     default SIGTERM, and no other thread (what waits for the trainer's end is a process of its own)."""
-    ppo.catch_stop_signals()  # the trainer's handlers
+    runtime.catch_stop_signals()  # the trainer's handlers
     other_thread = threading.Thread(target=time.sleep, args=(5,), daemon=True)  # the trainer has other threads
     other_thread.start()
     assert "torch" in sys.modules
-    scores = ppo.call_reward_fn(
-        ppo.load_reward_fn(f"{graders}:where", 10), dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10
+    scores = rewards.call_reward_fn(
+        rewards.load_reward_fn(f"{graders}:where", 10), dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10
     )
     assert scores == ([1.0, 0.0, 1.0], None)
 
 
-def test_a_reward_process_started_again_runs_the_code_the_run_began_with(graders, tmp_path):
-    """The reward process is sent this file's functions as source. After a timeout or a stop it is started again,
-    and by then the file may have been edited (a git pull during a long run): the program read from the file then, at
-    line numbers that no longer hold, did not compile, and the trainer died of the reset connection. It is read
-    once, when the run begins."""
-    copy = tmp_path / "trainer_copy.py"
-    copy.write_text((pathlib.Path(ROOT) / "ppo.py").read_text())
-    found = importlib.util.spec_from_file_location("trainer_copy", copy)
-    trainer = importlib.util.module_from_spec(found)
-    found.loader.exec_module(trainer)
-    reward_fn = trainer.load_reward_fn(f"{graders}:where", 10)
-    first = trainer.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10)
+def test_a_reward_process_started_again_runs_the_code_the_run_began_with(graders, tmp_path, monkeypatch):
+    """The reward process is sent rlhf_runtime/reward_process.py's functions as source. After a timeout or a stop it
+    is started again, and by then the file may have been edited (a git pull during a long run): the program read from
+    the file then, at line numbers that no longer hold, did not compile, and the trainer died of the reset
+    connection. It is read once, when the run begins. A copy of that file stands in for it, and is the one edited."""
+    copy = tmp_path / "reward_process_copy.py"
+    copy.write_text((pathlib.Path(ROOT) / "rlhf_runtime" / "reward_process.py").read_text())
+    found = importlib.util.spec_from_file_location("reward_process_copy", copy)
+    copied = importlib.util.module_from_spec(found)
+    found.loader.exec_module(copied)
+    monkeypatch.setattr(rewards, "RewardProcess", copied.RewardProcess)  # processes that run the copy's code
+    reward_fn = rewards.load_reward_fn(f"{graders}:where", 10)
+    assert isinstance(reward_fn, copied.RewardProcess)
+    first = rewards.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10)
     copy.write_text("# edited while the run goes on\n" * 7 + copy.read_text())
     reward_fn.kill()  # as a timeout or a stop does: the next call starts a new process
     assert (
-        trainer.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10)
+        rewards.call_reward_fn(reward_fn, dict(responses=["a", "b", "c"], answers=[1, 2, 3]), 10)
         == first
         == ([1.0, 0.0, 1.0], None)
     )
@@ -807,9 +817,9 @@ def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_
     path_before = list(sys.path)
     texts = ["a", "bb", "ccc"]
     for name, value in (("math", 4), ("numpy", 9), ("grader", 16), ("other/grader", 25)):
-        reward_fn = ppo.load_reward_fn(f"{folders[name]}:score", 30)
+        reward_fn = rewards.load_reward_fn(f"{folders[name]}:score", 30)
         expected = [value**0.5 * len(t) for t in texts]
-        assert ppo.call_reward_fn(reward_fn, dict(responses=texts, answers=[1, 2, 3]), 30) == (expected, None), name
+        assert rewards.call_reward_fn(reward_fn, dict(responses=texts, answers=[1, 2, 3]), 30) == (expected, None), name
     assert sys.modules["math"].sqrt(4) == 2.0
     assert sys.modules["numpy"] is numpy
     assert sys.path == path_before
@@ -828,9 +838,9 @@ def test_reward_files_shadow_nothing_and_two_of_one_name_both_work_with_process_
     ids=["timeout 1e-9", "timeout 1e10", "two functions of one name"],
 )
 def test_reward_options_out_of_range_are_refused_in_one_sentence(changes, message):
-    args = ppo.Args(**changes)
+    args = make_args(ppo, **changes)
     with pytest.raises(SystemExit, match="^" + re.escape(message)):
-        ppo.check_common_args(args, args.rollout_batch_size)
+        runtime.check_common_args(args, args.rollout_batch_size)
 
 
 HANGS_AT_IMPORT = """
@@ -858,7 +868,7 @@ def test_a_reward_file_whose_import_hangs_is_refused_within_the_timeout(tmp_path
     path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
     started = time.time()
     with pytest.raises(SystemExit) as refused:
-        ppo.load_reward_fn(f"{path}:score", 3)
+        rewards.load_reward_fn(f"{path}:score", 3)
     assert time.time() - started < 15
     assert refused.value.code == (
         f"--reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; check what its import "
@@ -873,8 +883,8 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
     killing what the import started (before, the start waited on the pipe forever and a SIGTERM did nothing)."""
     path = tmp_path / "grader.py"
     path.write_text(HANGS_AT_IMPORT.format(mark=str(tmp_path / "loaded"), pid=str(tmp_path / "pid")))
-    reward_fn = ppo.load_reward_fn(f"{path}:score", 30)
-    assert ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 1)[1] == TIMED_OUT
+    reward_fn = rewards.load_reward_fn(f"{path}:score", 30)
+    assert rewards.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 1)[1] == TIMED_OUT
     stops = []
     stopped_at = []
 
@@ -885,7 +895,7 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
         stops.append(signal.SIGTERM)
 
     threading.Thread(target=stop_once_the_import_waits, daemon=True).start()
-    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 600, stops)
+    scores, reason = rewards.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 600, stops)
     assert time.time() - stopped_at[0] < 2
     assert reason == "stopped by a signal"
     assert math.isnan(scores[0])
@@ -893,7 +903,7 @@ def test_a_reward_process_started_again_ends_on_a_stop_or_its_timeout_while_load
     assert gone(int((tmp_path / "pid").read_text()))
     (tmp_path / "pid").unlink()
     started = time.time()
-    scores, reason = ppo.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 3)
+    scores, reason = rewards.call_reward_fn(reward_fn, dict(responses=["a"], answers=[1]), 3)
     assert time.time() - started < 15
     assert reason == (
         f"an error (TimeoutError: --reward_fn {path}:score: loading it gave no answer within --reward_timeout 3 s; "
@@ -924,8 +934,8 @@ def test_modules_of_standard_names_in_the_working_folder_or_beside_the_file_shad
     monkeypatch.chdir(work)
     texts = ["a", "bb"]
     expected = [0.5 + random.Random(len(t)).random() for t in texts]
-    reward_fn = ppo.load_reward_fn(f"{rules / 'grader.py'}:score", 30)
-    assert ppo.call_reward_fn(reward_fn, dict(responses=texts, answers=[1, 2]), 30) == (expected, None)
+    reward_fn = rewards.load_reward_fn(f"{rules / 'grader.py'}:score", 30)
+    assert rewards.call_reward_fn(reward_fn, dict(responses=texts, answers=[1, 2]), 30) == (expected, None)
 
 
 # ---------------------------------------------------------------- reward code as people write it, in runs
@@ -1084,11 +1094,12 @@ def test_a_function_in_no_form_or_reading_a_column_the_data_lacks_is_refused_bef
 ):
     (tmp_path / "rule.py").write_text(source)
     (tmp_path / "train.jsonl").write_text(row + "\n")
-    args = grpo.Args(dataset=str(tmp_path / "train.jsonl"), reward_fn=(f"{tmp_path}/rule.py:f",), eval_every=0)
+    args = make_args(grpo, dataset=str(tmp_path / "train.jsonl"), reward_fn=(f"{tmp_path}/rule.py:f",), eval_every=0)
     with pytest.raises(SystemExit, match=message):
-        reward_fns = grpo.load_reward_fns(args)  # a function in no form is refused here, the others at the data
+        # a function in no form is refused here, the others at the data
+        reward_fns = rewards.load_reward_fns(args.reward_fn, args.run.reward_timeout)
         try:
-            grpo.load_task(args, torch.device("cpu"), reward_fns)
+            runtime.load_task(args, torch.device("cpu"), reward_fns)
         finally:
             reward_fns[0][1].kill()
 
@@ -1098,27 +1109,28 @@ def test_a_function_of_ones_own_that_takes_answers_gets_a_warning_when_no_row_ha
     (tmp_path / "rule.py").write_text(SAME_AS_ARITHMETIC)
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "solution": "2"}\n')
-    args = grpo.Args(dataset=str(data), reward_fn=(f"{tmp_path}/rule.py:exact",), eval_every=0)
-    reward_fns = grpo.load_reward_fns(args)
+    args = make_args(grpo, dataset=str(data), reward_fn=(f"{tmp_path}/rule.py:exact",), eval_every=0)
+    reward_fns = rewards.load_reward_fns(args.reward_fn, args.run.reward_timeout)
     with pytest.warns(UserWarning, match="has no 'answer' \\(its columns: prompt, solution\\): every answer is None"):
-        grpo.load_task(args, torch.device("cpu"), reward_fns)
-    args.answer_field = "solution"
+        runtime.load_task(args, torch.device("cpu"), reward_fns)
+    args.run.answer_field = "solution"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        grpo.load_task(args, torch.device("cpu"), reward_fns)
+        runtime.load_task(args, torch.device("cpu"), reward_fns)
     reward_fns[0][1].kill()
 
 
 def test_the_zero_signal_alarm_fires_after_ten_iterations_in_a_row_at_or_above_nine_tenths():
     state = {"alarms_on": []}
-    args = grpo.Args()
+    run = grpo.Args().run
+    alarms = (run.alarm_kl, run.alarm_clipfrac, run.alarm_collapse)
     shares = [0.95] * 9 + [0.5] + [0.9] * 9 + [1.0, 1.0]  # the run broken at 10, then 11 in a row from 11
     fired = [
-        grpo.failure_alarms({"iteration": i, "health/zero_signal": x}, state, args)["zero_signal"]
+        log.failure_alarms({"iteration": i, "health/zero_signal": x}, state, *alarms)["zero_signal"]
         for i, x in enumerate(shares, 1)
     ]
     assert fired == [False] * 19 + [True, True]
-    assert "zero_signal" in grpo.ALARMS
+    assert "zero_signal" in log.ALARMS
 
 
 # ---------------------------------------------------------------- the new user's path, replayed
