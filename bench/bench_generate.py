@@ -72,8 +72,9 @@ import transformers  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
 import ppo  # noqa: E402
-from ppo import generate, position_ids_from  # noqa: E402
+from ppo import generate  # noqa: E402
 from rlhf_kernels import decode  # noqa: E402
+from rlhf_runtime.batches import position_ids_from  # noqa: E402
 
 NEVER = -1  # a stop token id no sampled token can equal
 QWEN05B_SHAPE = dict(

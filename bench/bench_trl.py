@@ -16,7 +16,8 @@ Every process runs with one thread (--threads): on a shared 2-core machine two O
 second to the next (38 to 280 GFLOP/s on one 512 x 512 matmul loop), one thread by under 1.5x.
 
 The peer environments, outside the repository, from this repository's Python (the CPU build of torch first, so that
-pip does not fetch the CUDA build; tyro so that bench/trl_runner.py can import grpo.py's rule reward):
+pip does not fetch the CUDA build; tyro so that bench/trl_runner.py can import the scripts' rule reward,
+rlhf_runtime.rewards.REWARD_FNS):
 
     /work/main/.venv/bin/python -m venv /work/venv-trl116
     /work/venv-trl116/bin/pip install torch==2.13.0
@@ -381,9 +382,9 @@ PROFILED = {
         "ppo.main(tyro.cli(ppo.Args, use_underscores=True))",
         [
             "ppo.generate",
-            "ppo.score_responses",
+            "rlhf_runtime.score_responses",
             "ppo.response_logprobs",
-            "ppo.head_outputs",
+            "rlhf_runtime.head_outputs",
             "ppo.token_logprobs",
             "ppo.clip_loss",
             "ppo.value_loss",
@@ -436,7 +437,13 @@ for target in targets:
             owner = getattr(owner, part)
         else:
             owner = importlib.import_module(owner.__name__ + '.' + part)
-    setattr(owner, attr, labelled(getattr(owner, attr), '## ' + target))
+    original = getattr(owner, attr)
+    setattr(owner, attr, labelled(original, '## ' + target))
+    # the runtime's modules import from one another (and from torch): the same function labelled where each holds it
+    for module in [m for k, m in list(sys.modules.items()) if k.split('.')[0] == 'rlhf_runtime']:
+        for key, value in list(vars(module).items()):
+            if value is original:
+                setattr(module, key, getattr(owner, attr))
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     exec(entry)
 rows = prof.key_averages()

@@ -7,10 +7,11 @@ now that each micro-batch is cut to the columns its rows use.
     python bench/padding.py --out bench/padding.md              # the three defaults and the long-tailed shape
     python bench/padding.py --policy runs/ppo --scripts ppo.py  # a trained policy (its responses are longer)
 
-The defaults sample real rollouts with each script's own functions (its data order, left padding, generate with
-its per-row uniforms, the same seed), from the embedded SFT policy or --policy. The long-tailed shape is GSM8K-like
-lengths drawn at random (prompts of 100 to 300 tokens, responses of 20 to 1,024, log-uniform; 64 prompts x 5, the
-GSM8K recipe of docs/recipes.md), so no model is needed. Three layouts are compared for the training forwards:
+The defaults sample real rollouts with the functions each script calls (rlhf_runtime's data order, left padding and
+per-row uniforms, the script's generate, the same seed), from the embedded SFT policy or --policy. The long-tailed
+shape is GSM8K-like lengths drawn at random (prompts of 100 to 300 tokens, responses of 20 to 1,024, log-uniform; 64
+prompts x 5, the GSM8K recipe of docs/recipes.md), so no model is needed. Three layouts are compared for the
+training forwards:
 - padded: every micro-batch padded to the rollout's widest prompt plus its longest response (the scripts before
   the forwards were cut);
 - cut: each micro-batch (in the shuffled order of training) cut to its own widest prompt and longest response;
@@ -22,7 +23,6 @@ packing (the real tokens of several rows in one row) computes exactly the real t
 """
 
 import argparse
-import dataclasses
 import importlib
 import os
 import sys
@@ -31,6 +31,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import rlhf_runtime as runtime  # noqa: E402
+from rlhf_runtime.settings import RunSettings  # noqa: E402
 
 
 def micro_batches(order, size):
@@ -85,26 +88,30 @@ def measured(prompt_lens, response_lens, micro, group=1, minibatch=None):
 def rollout_lengths(script, policy_path, rollouts):
     """Prompt and response lengths of the first rollouts of a script's default run, sampled as the script samples."""
     module = importlib.import_module(script[:-3])
-    args = module.Args(eval_every=0)  # nothing is written: the data and the policy are read
+    args = module.Args(run=RunSettings(eval_every=0))  # nothing is written: the data and the policy are read
+    run = args.run
     if policy_path:
-        args.model_name_or_path = policy_path
-    args.world_size = 1
+        run.model_name_or_path = policy_path
+    run.world_size = 1
     device = torch.device("cpu")
-    tokenizer, prompts, _, _, sampling = module.load_task(args, device)
-    sampling = dataclasses.replace(sampling, kernel_decode=False)  # the plain loop, on any device
+    tokenizer, prompts, _, _, stop_ids = runtime.load_task(args, device)
+    # the plain loop, on any device
+    sampling = module.Sampling(args.response_length, args.temperature, stop_ids, tokenizer.pad_token_id, False)
     from transformers import AutoModelForCausalLM
 
-    policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path).eval()
+    policy = AutoModelForCausalLM.from_pretrained(run.model_name_or_path).eval()
     G = getattr(args, "num_generations", 1)
     position = (0, 0)
     prompt_lens = []
     response_lens = []
     for iteration in range(1, rollouts + 1):
-        idx, width, position = module.next_prompts(prompts, position, args, 0)
+        idx, width, position = runtime.next_prompts(
+            prompts, position, args.rollout_batch_size, run.seed, run.world_size, 0
+        )
         idx = [i for i in idx for _ in range(G)]
-        prompt_ids, prompt_mask = module.left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
-        rng = torch.Generator().manual_seed(args.seed * 1_000_000 + iteration)
-        uniforms = module.row_uniforms(rng, len(idx), args, 0)
+        prompt_ids, prompt_mask = runtime.left_pad([prompts[i] for i in idx], tokenizer.pad_token_id, device, width)
+        rng = torch.Generator().manual_seed(run.seed * 1_000_000 + iteration)
+        uniforms = runtime.row_uniforms(rng, len(idx), args.response_length, run.world_size, 0)
         _, _, response_mask = module.generate(policy, prompt_ids, prompt_mask, sampling, uniforms)
         prompt_lens.append(prompt_mask.sum(1).tolist())
         response_lens.append(response_mask.sum(1).tolist())

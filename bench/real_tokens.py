@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from padding import ROOT, long_tailed, rollout_lengths  # noqa: E402
 
 import ppo  # noqa: E402  (ROOT is on sys.path through padding)
+import rlhf_runtime as runtime  # noqa: E402
 
 LAYOUTS = ["padded, full head", "padded", "sorted and cut", "sorted and cut, fused head", "packed"]
 
@@ -88,7 +89,7 @@ def rows_of(prompt_lens, response_lens, vocab, seed=0, device="cpu"):
 def full_head_logprobs(policy, input_ids, attention_mask, P):
     """The log-prob forward before this change: the LM head over every position, the prompt's sliced off after."""
     logits = policy(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=runtime.position_ids_from(attention_mask)
     ).logits[:, P - 1 : -1]
     return ppo.token_logprobs(logits, input_ids[:, P:]) * attention_mask[:, P:]
 
@@ -102,7 +103,7 @@ def packed_logprobs(policy, input_ids, attention_mask, P):
     keep = at[:, P - 1 : -1][valid]  # the packed positions whose logits predict a response token
     logits = policy(
         input_ids=input_ids[real][None],
-        position_ids=ppo.position_ids_from(attention_mask)[real][None],
+        position_ids=runtime.position_ids_from(attention_mask)[real][None],
         logits_to_keep=keep,
         use_cache=False,
     ).logits[0]  # (response tokens, V); no cache: packed
@@ -118,7 +119,7 @@ def fused_head_logprobs(policy, input_ids, attention_mask, P):
     hidden = policy.model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=ppo.position_ids_from(attention_mask),
+        position_ids=runtime.position_ids_from(attention_mask),
         use_cache=False,
     ).last_hidden_state
     valid = attention_mask[:, P:].bool()
@@ -133,13 +134,13 @@ def epoch(layout, policy, rollout, seed=0):
     for mb in perm.split(rollout.minibatch):
         parts = mb
         if layout.startswith("sorted"):
-            parts = ppo.by_length(mb, rollout.attention_mask)
+            parts = runtime.by_length(mb, rollout.attention_mask)
         for idx in parts.split(rollout.micro):
             ids = input_ids[idx]
             mask = rollout.attention_mask[idx]
             p = rollout.P
             if layout.startswith("sorted"):
-                cut, p = ppo.cut_padding(dict(input_ids=ids, attention_mask=mask), rollout.P)
+                cut, p = runtime.cut_padding(dict(input_ids=ids, attention_mask=mask), rollout.P)
                 ids = cut["input_ids"]
                 mask = cut["attention_mask"]
             if layout == "packed":
@@ -184,7 +185,7 @@ def layouts_part(a):
     settings = []
     for script in [f"{x}.py" for x in ("ppo", "grpo", "rloo") if x in a.settings]:
         args, G, prompt_lens, response_lens = rollout_lengths(script, None, 1)
-        policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        policy = AutoModelForCausalLM.from_pretrained(args.run.model_name_or_path)
         settings.append(
             (
                 f"`{script}` default, a rollout of {len(prompt_lens[0])}",
@@ -259,7 +260,7 @@ def prefill_part(a):
     settings = []
     for script in [f"{x}.py" for x in ("grpo", "rloo") if x in a.settings]:
         args, G, prompt_lens, _ = rollout_lengths(script, None, 1)
-        policy = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        policy = AutoModelForCausalLM.from_pretrained(args.run.model_name_or_path)
         settings.append(
             (
                 f"`{script}` default, {len(prompt_lens[0]) // G} prompts x {G}",
@@ -291,7 +292,7 @@ def prefill_part(a):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(2, policy.config.vocab_size, (n,), generator=g).tolist() for n in prompt_lens[::G]]
         pad = policy.config.pad_token_id or 0
-        ids, mask = ppo.left_pad([x for x in prompts for _ in range(G)], pad, a.device)
+        ids, mask = runtime.left_pad([x for x in prompts for _ in range(G)], pad, a.device)
         uniforms = torch.rand(len(ids), T, generator=g).to(a.device)
         stop = torch.tensor([0], device=a.device)
         sampling_of = {steps: ppo.Sampling(steps, 1.0, stop, pad, a.decode == "static") for steps in (1, T)}

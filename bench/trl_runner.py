@@ -215,7 +215,7 @@ def main():
             from trl import RLOOConfig as Config
             from trl import RLOOTrainer as Trainer
         sys.path.insert(0, ROOT)
-        from grpo import REWARD_FNS  # the very rule our scripts use
+        from rlhf_runtime.rewards import REWARD_FNS  # the very rule our scripts use
 
         funcs = list(reward_models)
         for name in a.reward_fn:

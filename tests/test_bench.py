@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,6 +32,8 @@ import tyro
 from helpers import MODULES, ROOT, finished, tiny_llama_config
 from packaging.requirements import Requirement
 from transformers import LlamaForCausalLM
+
+from rlhf_runtime.settings import flat_options
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import bench_generate  # noqa: E402
@@ -272,7 +275,7 @@ def test_the_prefill_parts_before_side_encodes_every_row(policy):
     runs on all 6 rows of 2 groups of 3 (not 2), and both sides sample the same tokens with the same log-probs."""
     from unittest import mock
 
-    prompt_ids, prompt_mask = real_tokens.ppo.left_pad([[5, 6, 7]] * 3 + [[8, 9]] * 3, 1, "cpu")
+    prompt_ids, prompt_mask = real_tokens.runtime.left_pad([[5, 6, 7]] * 3 + [[8, 9]] * 3, 1, "cpu")
     uniforms = torch.rand(6, 4, generator=torch.Generator().manual_seed(0))
     sampling = real_tokens.ppo.Sampling(4, 1.0, torch.tensor([0]), 1)
     batches = []
@@ -293,6 +296,11 @@ def test_the_prefill_parts_before_side_encodes_every_row(policy):
 
 
 # ---------------------------------------------------------------- bench/bench_trl.py and bench/trl_runner.py
+
+
+def options(args):
+    """A parsed Args's options by their command-line names, the script's and the run's (Args.run) together."""
+    return SimpleNamespace(**flat_options(args))
 
 
 SHARED = (
@@ -319,7 +327,7 @@ def test_both_sides_parse_to_the_same_settings(algorithm, tmp_path):
 
     cmds = bench_trl.commands(algorithm, "assets/tiny-sft", "assets/tiny-rm", 5, 24, str(tmp_path))
     script = importlib.import_module(algorithm)
-    ours = tyro.cli(script.Args, args=cmds["ours"][2:], use_underscores=True)  # exactly as the script parses it
+    ours = options(tyro.cli(script.Args, args=cmds["ours"][2:], use_underscores=True))  # as the script parses it
     trl = trl_runner.arguments(cmds["trl"][2:])
     assert trl.algorithm == algorithm
     assert cmds["ours"][1].endswith(f"{algorithm}.py")
@@ -465,7 +473,7 @@ def test_smoke_run_against_trl(tmp_path):
 
 
 def parse(script, args):
-    return tyro.cli(MODULES[script].Args, args=args, use_underscores=True)
+    return options(tyro.cli(MODULES[script].Args, args=args, use_underscores=True))
 
 
 def test_the_shell_script_parses():
