@@ -214,6 +214,12 @@ def overlong_penalty(lengths, has_eos, max_length, buffer, factor, truncated_lef
     return penalty
 
 
+def rows_with_signal_first(signal, n):
+    """Dynamic sampling's rollout (Yu et al. 2025, eq. 11): the indices (n,) of the first n rows whose group has signal,
+    in the order drawn, then of those without. signal (R,): 1.0 on the rows of groups whose scores differ."""
+    return (1 - signal).argsort(stable=True)[:n]
+
+
 def group_advantages(scores, group_size, scale_rewards, eps=1e-8):
     """GRPO's advantage of each response (Shao et al. 2024, eq. 3 with outcome rewards; its A_i):
     A_i = (r_i - mean(r_group)) / std(r_group), the population std; 'batch' divides by the std of all the scores
@@ -497,7 +503,7 @@ def main(args):
                 break
         # The first rollout_batch_size groups with signal in the order drawn (then those without); each its slice
         signal = torch.cat([rows["signal"] for rows in drawn])  # (rounds x N,) every round's rows, every process's
-        order = (1 - signal).argsort(stable=True)[:responses_per_iteration]  # with signal first, in the order drawn
+        order = rows_with_signal_first(signal, responses_per_iteration)  # (N,) of every round's rows
         kept, scores = runtime.keep_rows(drawn, order, scores.metrics, reward_failures, tokenizer, run.world_size, rank)
         prompt_ids = kept["prompt_ids"]
         P = prompt_ids.shape[1]

@@ -249,8 +249,8 @@ def assert_bitwise_equal(a, b):
 
 
 def failing_reward(tmp_path, from_batch, rank):
-    """A prelude that runs a script with its arithmetic reward behind a grading service that goes away at the given
-    rollout (counting batches), on the given process; the script's own reward is the function fixed."""
+    """A prelude that runs a script with the runtime's arithmetic rule behind a grading service that goes away at the
+    given rollout (counting batches), on the given process; the script itself runs as python runs it."""
     prelude = tmp_path / "failing_reward.py"
     prelude.write_text(f"""import os
 import runpy
@@ -258,7 +258,6 @@ import sys
 
 sys.argv = sys.argv[1:]
 sys.path.insert(0, {ROOT!r})
-script = runpy.run_path(sys.argv[0], run_name="script")  # its functions; main not run yet
 from rlhf_runtime.rewards import REWARD_FNS
 arithmetic = REWARD_FNS["arithmetic"]
 batches = []
@@ -268,7 +267,7 @@ def grading_service(texts, answers):
         raise ConnectionError("the grading service went away")
     return arithmetic(texts, answers)
 REWARD_FNS["arithmetic"] = grading_service
-script["main"](script["tyro"].cli(script["Args"], use_underscores=True))
+runpy.run_path(sys.argv[0], run_name="__main__")  # the script as python runs it, its built-in rule replaced
 """)
     return str(prelude)
 

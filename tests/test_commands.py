@@ -5,13 +5,16 @@ script's own argument checks (batch sizes that divide, over torchrun's number of
 (<...>, ...) are parsed up to the placeholder only. The hub models they name are not loaded (no hub here): the
 model-path check is the one check left out.
 
-A script is a file a reader copies into their own project. Copied alone into an empty folder it still runs: the
-log-probs come from its plain torch path (no rlhf_kernels beside it), the embedded example is looked for beside the
-script (and missing, one sentence names the options to pass), and a model that cannot be had fails at once.
+A script is a file a reader copies into their own project, with the folder rlhf_runtime/ beside it (rlhf_kernels/
+too, optionally). Copied so into an empty folder it still runs, from any working folder: the log-probs come from its
+plain torch path (no rlhf_kernels beside it), the embedded example is looked for beside rlhf_runtime/ (and missing, one
+sentence names the options to pass), and a model that cannot be had fails at once. Copied without rlhf_runtime/, it
+stops in one sentence naming the folder to copy.
 
-Bad options stop with one sentence before any model loads, in every script; a terminal gets a live progress bar and a
-log file lines; nothing opens a socket when every path is local, and --track without a reachable wandb logs offline;
-the fresh install imports (no local package shadows an installed one)."""
+Bad options stop with one sentence before any model loads: the checks every script shares (rlhf_runtime) are tested
+once, on one script, and each script's own checks in each; a terminal gets a live progress bar and a log file lines;
+nothing opens a socket when every path is local, and --track without a reachable wandb logs offline; the fresh install
+imports (no local package shadows an installed one)."""
 
 import importlib
 import importlib.metadata
@@ -37,6 +40,7 @@ from helpers import (
     args_for,
     cli,
     finished,
+    make_args,
     readme_files,
     run_main,
     script_command,
@@ -48,6 +52,9 @@ from safetensors.torch import load_file
 import dapo
 import grpo
 import ppo
+import rlhf_runtime
+import rlhf_runtime.settings
+from rlhf_runtime import rewards
 
 # ---------------------------------------------------------------- the documents' commands
 
@@ -113,8 +120,10 @@ def test_readme_command_parses_and_passes_the_checks(document, script, argv, npr
         pytest.fail(f"`{script} {' '.join(argv)}` from {document} does not parse (exit {e.code})")
     if partial:
         return
-    monkeypatch.setattr(module, "check_model_path", lambda *a: None)
-    args.output_dir, args.world_size = str(tmp_path / "out"), nproc
+    # the scripts call it as runtime.check_model_path, check_common_args as rlhf_runtime.settings'
+    monkeypatch.setattr(rlhf_runtime, "check_model_path", lambda *a: None)
+    monkeypatch.setattr(rlhf_runtime.settings, "check_model_path", lambda *a: None)
+    args.output_dir, args.run.world_size = str(tmp_path / "out"), nproc
     shown = readme_files(tmp_path, DOCUMENTS)  # a reward function's file a document shows, as the user would write it
     for i, spec in enumerate(args.reward_fn):
         where, _, name = spec.rpartition(":")
@@ -129,14 +138,14 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
     command = re.search(
         r"^python grpo\.py --reward_fn my_reward\.py:correct my_reward\.py:bare_number .*$", readme, re.M
     ).group(0)
-    correct = grpo.load_reward_fn(f"{path}:correct", 10)
-    bare_number = grpo.load_reward_fn(f"{path}:bare_number", 10)
+    correct = rewards.load_reward_fn(f"{path}:correct", 10)
+    bare_number = rewards.load_reward_fn(f"{path}:bare_number", 10)
     # by hand: correct and well formed, well formed but wrong, neither
-    assert grpo.call_reward_fn(correct, dict(responses=["12", "13", "twelve"], answers=["12", "12", "12"]), 10) == (
+    assert rewards.call_reward_fn(correct, dict(responses=["12", "13", "twelve"], answers=["12", "12", "12"]), 10) == (
         [1.0, 0.0, 0.0],
         None,
     )
-    assert grpo.call_reward_fn(bare_number, dict(responses=["12", "13", "twelve"], answers=["12"] * 3), 10) == (
+    assert rewards.call_reward_fn(bare_number, dict(responses=["12", "13", "twelve"], answers=["12"] * 3), 10) == (
         [1.0, 1.0, 0.0],
         None,
     )
@@ -153,10 +162,11 @@ def test_the_readme_reward_example_runs_and_scores_by_hand(tmp_path):
 
 
 def main_block(script, *argv):
-    """The script's `if __name__ == "__main__":` block on the command line argv, in this process (the file executed
-    afresh, as `python script argv...` would); returns its exit status. What it prints is the test's capsys's."""
+    """The script's `if __name__ == "__main__":` block (rlhf_runtime.launch(main, Args)) on the command line argv, in
+    this process (the file executed afresh, as `python script argv...` would); returns its exit status. What it prints
+    is the test's capsys's."""
     command_line = sys.argv
-    formatwarning = warnings.formatwarning  # the block sets the script's own
+    formatwarning = warnings.formatwarning  # launch sets the scripts' own
     sys.argv = [os.path.join(ROOT, script), *argv]
     try:
         runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
@@ -170,15 +180,17 @@ def main_block(script, *argv):
 
 @pytest.mark.parametrize("script", ["ppo.py"])
 def test_the_seed_help_says_what_the_code_does(script, capsys):
-    """Every process seeds its generators with --seed itself (torch.manual_seed(args.seed) in main, the sampling
-    generators from seed and iteration alone): the help must not say a rank is added. --seed's field and main's set-up
-    block are shared pieces (test_code.py keeps every copy identical): one script's help says it for all."""
+    """Every process seeds its generators with --seed itself (torch.manual_seed(run.seed) in main, the sampling
+    generators from seed and iteration alone): the help must not say a rank is added. --seed's field and its help are
+    written once, in rlhf_runtime/settings.py's RunSettings: one script's help says it for all; each script's own main
+    seeds with it."""
     assert main_block(script, "--help") == 0
     text = " ".join(capsys.readouterr().out.split())
     seed_help = text[text.index("--seed") :][:200]
     assert "the same on every process" in seed_help
     assert "rank" not in seed_help
-    assert "torch.manual_seed(args.seed)" in open(os.path.join(ROOT, script)).read()
+    for each in SCRIPTS:  # main is each script's own (run: args.run)
+        assert "torch.manual_seed(run.seed)" in open(os.path.join(ROOT, each)).read(), each
 
 
 def test_computed_fields_are_not_options_and_trls_num_iterations_is_named(tmp_path, capsys):
@@ -194,7 +206,7 @@ def test_computed_fields_are_not_options_and_trls_num_iterations_is_named(tmp_pa
     assert "--num_iterations" not in shown and "--world_size" not in shown
 
 
-# ---------------------------------------------------------------- a script copied alone
+# ---------------------------------------------------------------- a script copied with rlhf_runtime/, or without
 
 
 # every script, dapo.py too
@@ -223,11 +235,26 @@ def run(script_path, cwd, *args):
     )
 
 
-@pytest.mark.parametrize("script", list(EVERY_SCRIPT))
-def test_a_script_copied_alone_trains_as_in_the_repository(script, tmp_path):
-    alone = tmp_path / "project"
-    alone.mkdir()
-    shutil.copy(os.path.join(ROOT, script), alone)
+def copied_project(folder, *scripts, runtime=True):
+    """folder, made, with the scripts copied into it as a reader copies them into their own project: the folder
+    rlhf_runtime/ beside them (unless runtime is False), rlhf_kernels/ and the embedded example (assets/) left out."""
+    folder.mkdir()
+    for script in scripts:
+        shutil.copy(os.path.join(ROOT, script), folder)
+    if runtime:
+        shutil.copytree(
+            os.path.join(ROOT, "rlhf_runtime"), folder / "rlhf_runtime", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return folder
+
+
+# One script suffices: a copied run differs from the repository's only in what every script shares, rlhf_runtime/
+# found beside the file (the same package for all) and the plain torch log-probs in place of rlhf_kernels' (a copy
+# that is the same in every script; test_the_plain_torch_log_probs_agree_with_the_kernel imports each of the four
+# copied so and checks that it takes that path).
+@pytest.mark.parametrize("script", ["grpo.py"])
+def test_a_script_copied_with_rlhf_runtime_trains_as_in_the_repository(script, tmp_path):
+    alone = copied_project(tmp_path / "project", script)
     copied = run(alone / script, alone, *two_iterations(script), "--output_dir", str(tmp_path / "copied"))
     assert copied.returncode == 0, copied.stderr[-3000:]
     assert (copied.stdout + copied.stderr).count(KERNEL_LINE) == 1
@@ -244,18 +271,27 @@ def test_a_script_copied_alone_trains_as_in_the_repository(script, tmp_path):
 
 
 def test_the_plain_torch_log_probs_agree_with_the_kernel(tmp_path):
-    """ppo.py imported from a folder without rlhf_kernels: its response_logprobs (and entropy) on the embedded policy
-    equal the repository's within 1e-5, and so do their gradients."""
-    alone = tmp_path / "project"
-    alone.mkdir()
-    shutil.copy(os.path.join(ROOT, "ppo.py"), alone)
+    """The four scripts imported from a folder with rlhf_runtime/ and without rlhf_kernels: each takes its own plain
+    torch log-probs (the same in each), and the rlhf_runtime/ beside it; ppo.py's response_logprobs (and entropy) on
+    the embedded policy equal the repository's within 1e-5, and so do their gradients."""
+    alone = copied_project(tmp_path / "project", *EVERY_SCRIPT)
     code = f"""
 import torch
 from transformers import AutoModelForCausalLM
 
+import dapo
+import grpo
 import ppo
+import rloo
 
-assert ppo.token_logprobs.__module__ == "ppo", ppo.token_logprobs.__module__
+logits = torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(1))
+tokens = torch.randint(50, (3, 7), generator=torch.Generator().manual_seed(2))
+for module in (ppo, grpo, rloo, dapo):
+    assert module.token_logprobs.__module__ == module.__name__, (module.__name__, module.token_logprobs.__module__)
+    assert module.runtime.__file__ == {str(alone / "rlhf_runtime" / "__init__.py")!r}, module.runtime.__file__
+    plain = module.token_logprobs(logits, tokens, 0.7, return_entropy=True)
+    for got, want in zip(plain, ppo.token_logprobs(logits, tokens, 0.7, return_entropy=True)):
+        assert torch.equal(got, want), module.__name__  # the same plain path in each script
 policy = AutoModelForCausalLM.from_pretrained({os.path.join(ROOT, "assets", "tiny-sft")!r}).eval()
 g = torch.Generator().manual_seed(0)
 ids = torch.randint(3, policy.config.vocab_size, (4, 12), generator=g)
@@ -288,10 +324,30 @@ torch.save((ids, mask, out), "out.pt")
         policy.zero_grad()
 
 
-@pytest.mark.parametrize("script", ["ppo.py"])  # the defaults are looked for by check_common_args, a shared piece
+def test_a_script_copied_without_rlhf_runtime_stops_naming_the_folder_to_copy(tmp_path, monkeypatch):
+    """Copied alone, without rlhf_runtime/ beside it, a script stops at once in one sentence that names the folder to
+    copy: exit code 1, no traceback, nothing created. ppo.py is run so, as a user runs it; every script (each holds its
+    own copy of that import) is executed here with rlhf_runtime not to be found, and stops with that sentence."""
+    alone = copied_project(tmp_path / "project", "ppo.py", runtime=False)
+    done = run(alone / "ppo.py", alone, "--output_dir", str(tmp_path / "run"))
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    (sentence,) = done.stderr.strip().splitlines()
+    assert "needs the folder rlhf_runtime/ beside it" in sentence
+    assert str(alone / "ppo.py") in sentence
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setitem(sys.modules, "rlhf_runtime", None)  # `import rlhf_runtime` fails: ModuleNotFoundError
+    for script in SCRIPTS:
+        with pytest.raises(SystemExit) as stopped:
+            runpy.run_path(os.path.join(ROOT, script), run_name="copied")
+        assert stopped.value.code == sentence.replace(str(alone / "ppo.py"), os.path.join(ROOT, script))
+
+
+# the defaults are looked for by check_common_args, in rlhf_runtime/settings.py: the same code for every script
+@pytest.mark.parametrize("script", ["ppo.py"])
 def test_a_copied_script_without_its_example_names_the_options_to_pass(script, tmp_path):
-    shutil.copy(os.path.join(ROOT, script), tmp_path)
-    done = run(tmp_path / script, tmp_path, "--output_dir", str(tmp_path / "run"))
+    copied_project(tmp_path / "project", script)
+    done = run(tmp_path / "project" / script, tmp_path / "project", "--output_dir", str(tmp_path / "run"))
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert "huggingface.co" not in done.stdout + done.stderr
@@ -343,21 +399,20 @@ def test_a_model_that_cannot_be_had_fails_at_once(offline, tmp_path):
     assert done.stderr.strip().splitlines()[-1].startswith("--model_name_or_path 'nobody/no-model' could not be found")
 
 
-# ---------------------------------------------------------------- bad options, in one sentence in every script
+# ---------------------------------------------------------------- bad options, in one sentence
 
 
-COMMON_BAD = [
+# The checks every script shares: rlhf_runtime's (settings.check_common_args, the output folder's lock, the reward
+# functions' loading, find_checkpoint), the same code whichever script calls it.
+SHARED_BAD = [
     (dict(model_name_or_path="/nonexistent/model"), "could not be found"),
     (dict(temperature=0.0), "--temperature must be positive"),
     (dict(reward_model_path=(), reward_fn=()), "no reward"),
     (dict(reward_fn=("nope",)), "unknown --reward_fn"),
-    (dict(total_episodes=4), "must be at least one rollout"),
     (dict(micro_batch_size=0), "--micro_batch_size must be at least 1"),
     (dict(num_epochs=0), "--num_epochs must be at least 1"),
     (dict(response_length=0), "--response_length must be at least 1"),
     (dict(max_grad_norm=-1.0), "--max_grad_norm must be positive"),
-    (dict(learning_rate=0.0), "--learning_rate must be positive"),
-    (dict(kl_coef=-0.1), "--kl_coef must be zero or more"),
     (dict(save_every=-1), "--save_every must be 0 \\(never\\) or more"),
     (dict(keep_checkpoints=0), "--keep_checkpoints must be at least 1"),
     (dict(max_bad_steps=0), "--max_bad_steps must be at least 1"),
@@ -377,11 +432,6 @@ COMMON_BAD = [
         dict(model_name_or_path=os.path.join(ROOT, "assets", "tiny-sft", "config.json")),
         "--model_name_or_path '.*config.json' is a file; pass the folder that holds the model",
     ),
-]
-
-
-GROUP_BAD = [
-    (dict(num_generations=1), "--num_generations must be at least 2"),
     (
         dict(rollout_batch_size=3, world_size=2, minibatch_size=4, micro_batch_size=2),
         "--rollout_batch_size must be a multiple of the 2 processes \\(each samples whole groups of prompts\\) "
@@ -390,10 +440,25 @@ GROUP_BAD = [
 ]
 
 
+# Each script's own: its validate's rules, and the responses per iteration it hands the shared checks.
+OWN_BAD = [
+    (dict(total_episodes=4), "must be at least one rollout"),
+    (dict(learning_rate=0.0), "--learning_rate must be positive"),
+    (dict(kl_coef=-0.1), "--kl_coef must be zero or more"),
+    (dict(num_generations=1), "--num_generations must be at least 2"),
+]
+
+
+# One script suffices for the shared checks (the same code for all); grpo.py's groups make the world-size rule's
+# sentence the one a reader of it expects.
+@pytest.mark.parametrize("kw,message", SHARED_BAD, ids=lambda x: str(x)[:40] if isinstance(x, dict) else None)
+def test_bad_arguments_fail_with_one_sentence_in_the_shared_checks(kw, message, tmp_path):
+    with pytest.raises(SystemExit, match=message):
+        set_up(grpo, args_for("grpo.py", tmp_path / "run", **kw))
+
+
 @pytest.mark.parametrize("script", list(MODULES))
-@pytest.mark.parametrize(
-    "kw,message", COMMON_BAD + GROUP_BAD, ids=lambda x: str(x)[:40] if isinstance(x, dict) else None
-)
+@pytest.mark.parametrize("kw,message", OWN_BAD, ids=lambda x: str(x)[:40] if isinstance(x, dict) else None)
 def test_bad_arguments_fail_with_one_sentence_in_every_script(script, kw, message, tmp_path):
     if "num_generations" in kw and script == "ppo.py":
         pytest.skip("ppo.py has no groups")
@@ -407,14 +472,16 @@ def test_a_float_option_must_fit_in_float32():
     most = torch.finfo(torch.float32).max
     for value in (1e308, 3.5e38, float("inf")):
         with pytest.raises(SystemExit, match=r"^--clip_range_high must be finite and within \+-3.4e\+38 \(got "):
-            grpo.validate(grpo.Args(clip_range_high=value, eval_every=0))
+            grpo.validate(make_args(grpo, clip_range_high=value, eval_every=0))
     try:
-        grpo.validate(grpo.Args(clip_range_high=most, ent_coef=most, eval_every=0))
+        grpo.validate(make_args(grpo, clip_range_high=most, ent_coef=most, eval_every=0))
     except SystemExit as e:  # another rule of the option may refuse it, never its range
         assert "within +-" not in str(e.code)
 
 
-@pytest.mark.parametrize("script", list(MODULES))
+# One script suffices: the three are fields of the run's settings (rlhf_runtime.settings.RunSettings), the same
+# dataclass in every script's Args.
+@pytest.mark.parametrize("script", ["ppo.py"])
 def test_the_command_line_refuses_a_choice_it_does_not_offer(script, capsys):
     """--model_dtype, --decode and --on_reward_error are Literal fields: tyro refuses another value and names the
     choices, before anything runs."""

@@ -29,6 +29,7 @@ from helpers import (
 import dapo
 import grpo
 import ppo
+import rlhf_runtime as runtime
 import rloo
 
 SCRIPTS = [ppo, grpo, rloo, dapo]
@@ -130,8 +131,9 @@ def test_overlong_punishment_is_dapos_equation_13(mask_truncated):
 
 def test_dynamic_sampling_keeps_the_first_groups_with_signal_in_the_order_drawn():
     """Three rounds of two processes' rows (groups of 2, 4 groups a round): the rollout is the first 4 groups with
-    signal in the order drawn, then those without in the order drawn; each process takes its half; prompts of another
-    width are padded on the left, responses on the right. Against a plain loop over the groups."""
+    signal in the order drawn, then those without in the order drawn (dapo.py's rows_with_signal_first); each process
+    takes its half (runtime.keep_rows); prompts of another width are padded on the left, responses on the right.
+    Against a plain loop over the groups."""
     G = 2
     g = torch.Generator().manual_seed(3)
     rounds = []
@@ -155,9 +157,10 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal_in_the_order_drawn(
         order += [(r, k) for r in range(3) for k in range(4) if signals[r][k] == wanted]
     expected_raw = [10 * r + G * k + j for r, k in order[:4] for j in range(G)]
     tokenizer = type("Tokenizer", (), {"pad_token_id": 0, "batch_decode": lambda self, ids, **kw: [""] * len(ids)})()
-    scores = dapo.Scores(torch.zeros(8), {}, [], 0)
-    args = dapo.Args(world_size=2)
-    kept = [dapo.keep_rows_with_signal(rounds, scores, 0, tokenizer, args, rank)[0] for rank in (0, 1)]
+    # dapo.py's main: every round's rows, those of groups with signal first in the order drawn, one round's worth
+    signal = torch.cat([rows["signal"] for rows in rounds])
+    chosen = dapo.rows_with_signal_first(signal, len(rounds[0]["signal"]))
+    kept = [runtime.keep_rows(rounds, chosen, {}, 0, tokenizer, 2, rank)[0] for rank in (0, 1)]
     assert torch.cat([k["raw"] for k in kept]).tolist() == expected_raw
     for k, rows in zip(kept, (order[:2], order[2:4])):
         assert k["input_ids"].shape == (4, 5 + 5)  # the widest prompt, then the longest response

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import GROUPS_OF_EIGHT, ROOT, run_main
+from helpers import GROUPS_OF_EIGHT, ROOT, make_args, run_main
 from transformers import AutoModelForCausalLM
 
 import grpo
@@ -197,7 +197,7 @@ def test_clip_higher(ratio, advantage, objective):
 
 
 def args_with(**kw):
-    return grpo.Args(**{"model_name_or_path": os.path.join(ROOT, "assets", "tiny-sft"), **kw})
+    return make_args(grpo, **{"model_name_or_path": os.path.join(ROOT, "assets", "tiny-sft"), **kw})
 
 
 def test_kl_coef_zero_loads_no_reference():

@@ -8,10 +8,12 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, left_padded_prompts, run_main, tiny_llama_config
+from helpers import ROOT, left_padded_prompts, make_args, run_main, tiny_llama_config
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import ppo
+import rlhf_runtime as runtime
+from rlhf_runtime.log import distinct_n, failure_alarms
 
 
 def prefix_mask(lengths, T):
@@ -182,8 +184,14 @@ def test_running_moments_match_whole_stream():
 
 
 def test_failure_alarms_fire_on_their_signatures():
+    """rlhf_runtime's alarms (every script's), at ppo.py's default thresholds (--alarm_kl, --alarm_clipfrac,
+    --alarm_collapse)."""
     state = dict(first_entropy=None, first_distinct2=None, first_value_loss=None, value_loss_ema=None)
-    args = ppo.Args()
+    run = ppo.Args().run
+
+    def alarms(m, state):
+        return failure_alarms(m, state, run.alarm_kl, run.alarm_clipfrac, run.alarm_collapse)
+
     healthy = {
         "iteration": 1,
         "objective/kl": 3.0,
@@ -193,9 +201,9 @@ def test_failure_alarms_fire_on_their_signatures():
         "val/loss": 1.0,
         "health/zero_signal": 0.0,
     }
-    assert not any(ppo.failure_alarms(healthy, state, args).values())
+    assert not any(alarms(healthy, state).values())
     for i in range(2, 12):  # a falling value loss is healthy
-        assert not any(ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 0.5}, state, args).values())
+        assert not any(alarms({**healthy, "iteration": i, "val/loss": 0.5}, state).values())
     sick = {
         "iteration": 12,
         "objective/kl": 25.0,
@@ -205,7 +213,7 @@ def test_failure_alarms_fire_on_their_signatures():
         "val/loss": 0.5,
         "health/zero_signal": 1.0,
     }
-    assert ppo.failure_alarms(sick, state, args) == {
+    assert alarms(sick, state) == {
         "kl_explosion": True,
         "clip_fraction": True,
         "entropy_collapse": True,
@@ -214,15 +222,15 @@ def test_failure_alarms_fire_on_their_signatures():
         "zero_signal": False,  # after 10 such iterations in a row
     }
     for i in range(13, 40):  # a value loss that climbs past where it started
-        fired = ppo.failure_alarms({**healthy, "iteration": i, "val/loss": 3.0}, state, args)
+        fired = alarms({**healthy, "iteration": i, "val/loss": 3.0}, state)
     assert fired["value_divergence"]
     assert not fired["kl_explosion"]
 
 
 def test_distinct_n_by_hand():
-    assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 1) == 4 / 6
-    assert ppo.distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4
-    assert ppo.distinct_n([[5, 5, 5, 5]], 2) == 1 / 3
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 1) == 4 / 6
+    assert distinct_n([[1, 2, 3], [1, 2, 4]], 2) == 3 / 4
+    assert distinct_n([[5, 5, 5, 5]], 2) == 1 / 3
 
 
 # ---------------------------------------------------------------- bad input, before anything loads
@@ -234,13 +242,13 @@ def args_with(**kw):
         reward_model_path=(os.path.join(ROOT, "assets", "tiny-rm"),),
         dataset=os.path.join(ROOT, "assets", "reviews", "train.jsonl"),
     )
-    return ppo.Args(**{**defaults, **kw})
+    return make_args(ppo, **{**defaults, **kw})
 
 
 @pytest.mark.parametrize(
     "kw,message",
     [
-        # PPO's own arguments; the checks every script shares are in test_commands.py, for all three
+        # PPO's own arguments; the checks every script shares (rlhf_runtime.settings) are in test_commands.py
         (dict(rollout_batch_size=64, minibatch_size=24), "must divide the 64 responses per iteration"),
         (dict(clip_range=-0.2), "--clip_range must be positive"),
         (dict(value_learning_rate=0.0), "--value_learning_rate must be positive"),
@@ -267,10 +275,10 @@ def test_shared_backbone_values_come_from_the_policys_trunk_and_both_heads_learn
     with torch.no_grad():
         critic.score.weight.normal_()
     input_ids, attention_mask = left_padded_prompts([5, 9, 7], 40, seed=5)
-    values = ppo.head_outputs(critic, input_ids, attention_mask)
+    values = runtime.head_outputs(critic, input_ids, attention_mask)
     with torch.no_grad():
         hidden = policy.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=runtime.position_ids_from(attention_mask)
         ).last_hidden_state
     torch.testing.assert_close(values, (hidden @ critic.score.weight.T).squeeze(-1), atol=1e-5, rtol=1e-5)
     (values * attention_mask).sum().backward()  # the value loss alone
