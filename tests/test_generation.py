@@ -1,9 +1,10 @@
-"""Sampling and the log-probs it records (shared code, through ppo.py's copy): the log-probs recorded while sampling
-equal a teacher-forced forward, the samples follow the tempered softmax, a response does not depend on its batch,
-rlhf_kernels' static decode loop samples what the plain loop samples, and the log-probs equal plain torch's and are 0
-past each response's end. The GPU-only paths of that loop, shown on the CPU: its cache holds bf16 keys under
---mixed_precision (autocast on the CPU as on a GPU), and a failed CUDA-graph capture (torch.cuda made to fail it)
-hands back the stream it found."""
+"""Sampling and the log-probs it records (each script's own Sampling, generate and response_logprobs, identical in the
+four and kept so by tests/test_code.py's drift test: ppo.py's copy stands for all; the positions and padding are
+rlhf_runtime.batches'): the log-probs recorded while sampling equal a teacher-forced forward, the samples follow the
+tempered softmax, a response does not depend on its batch, rlhf_kernels' static decode loop samples what the plain
+loop samples, and the log-probs equal plain torch's and are 0 past each response's end. The GPU-only paths of that
+loop, shown on the CPU: its cache holds bf16 keys under --mixed_precision (autocast on the CPU as on a GPU), and a
+failed CUDA-graph capture (torch.cuda made to fail it) hands back the stream it found."""
 
 import contextlib
 import json
@@ -23,7 +24,11 @@ from helpers import (
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM, Qwen2ForCausalLM
 
 import ppo
+import rlhf_runtime as runtime
 from rlhf_kernels import decode
+from rlhf_runtime.batches import left_pad, position_ids_from
+from rlhf_runtime.loading import load_model
+from rlhf_runtime.settings import RunSettings
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from memory_accounting import kv_cache_bytes  # noqa: E402
@@ -119,8 +124,9 @@ def test_decode_auto_is_the_plain_loop_on_the_cpu(tmp_path):
     out = tmp_path / "run"
     args = ppo.Args(output_dir=str(out))
     ppo.validate(args)
-    assert not ppo.load_task(args, torch.device("cpu"))[4].kernel_decode
-    ppo.Log(args, dict(elapsed=0.0, iteration=0), 0, None).file.close()
+    # main's Sampling takes its kernel_decode from runtime.graphs_decode (load_task no longer builds it)
+    assert not runtime.graphs_decode(args.run.decode, torch.device("cpu"))
+    runtime.Log(args, dict(elapsed=0.0, iteration=0), 0, None, ppo.PRINTED).file.close()
     assert json.load(open(out / "args.json"))["decode"] == "auto"
 
 
@@ -133,7 +139,7 @@ def test_response_logprobs_equal_plain_torch():
     with torch.no_grad():
         logp, entropy = ppo.response_logprobs(policy, input_ids, attention_mask, P, 0.7, return_entropy=True)
         logits = policy(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
         ).logits.double()
         plain = torch.log_softmax(logits[:, P - 1 : -1] / 0.7, -1)
     valid = attention_mask[:, P:].bool()  # positions past a row's end (here: its left padding) are exactly 0
@@ -175,7 +181,7 @@ def tiny_qwen2(folder):
 
 def prompts():
     """Three left-padded prompts of the embedded tokenizer's ids (pad 1)."""
-    return ppo.left_pad([[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1, "cpu")
+    return left_pad([[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1, "cpu")
 
 
 def prefill(policy, prompt_ids, prompt_mask):
@@ -184,7 +190,7 @@ def prefill(policy, prompt_ids, prompt_mask):
     out = policy(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
-        position_ids=ppo.position_ids_from(prompt_mask),
+        position_ids=position_ids_from(prompt_mask),
         cache=cache,
         use_cache=True,
         logits_to_keep=1,
@@ -199,7 +205,7 @@ def test_keys_are_cached_in_bf16_under_mixed_precision(family, tmp_path):
     accounts (layers x 2 x KV heads x head size x 2 bytes per position); the float32 trunk's rotary cos and sin made
     the keys float32 before."""
     path = TINY_LLAMA if family == "llama" else tiny_qwen2(tmp_path / "qwen2")
-    policy = ppo.load_model(AutoModelForCausalLM, path, ppo.Args(mixed_precision=True), "cpu", trained=True)
+    policy = load_model(AutoModelForCausalLM, path, RunSettings(mixed_precision=True), "cpu", trained=True)
     assert policy.model.embed_tokens.weight.dtype == torch.float32  # the trunk is float32: autocast does the rest
     prompt_ids, prompt_mask = prompts()
     with torch.no_grad():
@@ -272,7 +278,7 @@ def test_a_failed_capture_restores_the_stream_it_found(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, value)
     with torch.no_grad():
         cache, logits = prefill(policy, prompt_ids, prompt_mask)
-        next_position = ppo.position_ids_from(prompt_mask)[:, -1:] + 1
+        next_position = position_ids_from(prompt_mask)[:, -1:] + 1
         decoder = decode.StaticDecoder(policy, logits, 64, sampling, ppo.sample_token, capture=True)  # as on a GPU
         with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
             got = decoder.run(policy, cache, logits, prompt_mask, next_position, uniforms, 1.0)

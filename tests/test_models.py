@@ -1,6 +1,8 @@
-"""The models a user brings and how they are held (shared code, through ppo.py's copy and runs of the scripts): the
-model-family matrix, LoRA, chat templates and stop tokens, gradient checkpointing and mixed precision, and the
-models' paths, kinds, positions and tokenizers checked before they load.
+"""The models a user brings and how they are held (rlhf_runtime's loading, batches and data, alike for every script;
+each script's Sampling, generate and response_logprobs through ppo.py's copy, identical in the four and kept so by
+tests/test_code.py's drift test; and runs of the scripts): the model-family matrix, LoRA, chat templates and stop
+tokens, gradient checkpointing and mixed precision, and the models' paths, kinds, positions and tokenizers checked
+before they load.
 
 The model-family matrix (helpers.FAMILIES): the scripts on tiny random models of each architecture a user is likely
 to bring (Llama, Qwen2, Qwen3, GPT-NeoX/Pythia, GPT-2, Gemma, and Qwen3-MoE for a mixture of experts).
@@ -18,8 +20,8 @@ family this checks that
 - a group's rows (equal prompts, encoded once, the cache repeated) sample what each row samples alone, in float64;
 - the reward model's score at the last real token does not depend on the padding around the sequence;
 - a reward model saved without a tokenizer is given none, and so reads the policy's token ids;
-- ppo.py and rloo.py each run two iterations with the family's policy and reward model, and the policy they save
-  loads back as the same architecture, with every weight, moved from where it started.
+- ppo.py runs two iterations with the family's policy and reward model, and the policy it saves loads back as the
+  same architecture, with every weight, moved from where it started.
 
 LoRA: the reference is the policy with its adapters off and holds no weights of its own; training moves only the
 adapters (and the critic's head); the merged save equals the base plus (alpha / r) B A computed by hand from the
@@ -30,14 +32,13 @@ out here by hand; a response ends at the template's end-of-turn token as well as
 one sentence.
 
 --gradient_checkpointing and --mixed_precision: the checkpointed model recomputes each block in the backward pass and
-gets the same gradients as the plain one; mixed precision computes in bf16 over float32 master weights; each runs a
-whole iteration of every script."""
+gets the same gradients as the plain one; mixed precision computes in bf16 over float32 master weights; the two
+together run a whole iteration of ppo.py."""
 
 import json
 import math
 import os
 import shutil
-from dataclasses import replace
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ from helpers import (
     TOKENIZER,
     assert_group_prompts_prefilled_once,
     assert_static_decode_matches_dynamic,
+    make_args,
     run_main,
     tiny_llama_config,
     tiny_run,
@@ -64,6 +66,11 @@ from transformers import (
 
 import grpo
 import ppo
+import rlhf_runtime as runtime
+from rlhf_runtime.batches import head_outputs, left_pad, position_ids_from
+from rlhf_runtime.data import load_prompts, stop_token_ids
+from rlhf_runtime.loading import adapter_dropout, load_model, load_reference, load_reward_models
+from rlhf_runtime.settings import RunSettings
 
 POLICY = os.path.join(ROOT, "assets", "tiny-sft")
 
@@ -89,7 +96,7 @@ def test_sampled_logprobs_equal_teacher_forced(family):
     policy = AutoModelForCausalLM.from_pretrained(family[0]).eval()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, len(TOKENIZER), (n,), generator=g).tolist() for n in [1, 5, 3, 8, 2, 6]]
-    prompt_ids, prompt_mask = ppo.left_pad(prompts, PAD, "cpu")  # (6, 8)
+    prompt_ids, prompt_mask = left_pad(prompts, PAD, "cpu")  # (6, 8)
     uniforms = torch.rand(6, 10, generator=g)
     # A token is the first whose cumulative probability passes its uniform, so a uniform of 0 draws token 0, the EOS:
     # rows 0, 2 and 3 end early (after 4, 1 and 7 tokens), the others run to the limit of 10.
@@ -119,47 +126,44 @@ def test_reward_head_is_padding_invariant(family):
     rm = AutoModelForSequenceClassification.from_pretrained(family[1]).eval()
     seq = torch.randint(2, len(TOKENIZER), (7,), generator=torch.Generator().manual_seed(2)).tolist() + [EOS]
     with torch.no_grad():
-        alone = ppo.head_outputs(rm, torch.tensor([seq]), torch.ones(1, 8, dtype=torch.long))[0, -1]
+        alone = head_outputs(rm, torch.tensor([seq]), torch.ones(1, 8, dtype=torch.long))[0, -1]
         # left padding as in a prompt batch, right padding as in a response batch
         padded_ids = torch.tensor([[PAD] * 3 + seq + [PAD] * 2])
-        padded = ppo.head_outputs(rm, padded_ids, (padded_ids != PAD).long())[0, 10]
+        padded = head_outputs(rm, padded_ids, (padded_ids != PAD).long())[0, 10]
     torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
 
 
 def test_a_reward_model_without_a_tokenizer_reads_the_policys_tokens(family):
     # Were it given a tokenizer of its own, the responses would be decoded and re-tokenised for it; an empty one (what
     # transformers builds for most families when none was saved) turns every response into nothing, or into <unk>s.
-    ((rm, own),) = ppo.load_reward_models(ppo.Args(reward_model_path=(str(family[1]),)), TOKENIZER, "cpu")
+    ((rm, own),) = load_reward_models((str(family[1]),), TOKENIZER, RunSettings(), "cpu")
     assert own is None
     assert rm.config.pad_token_id == PAD
 
 
 # Two iterations of four responses each, one optimiser step per iteration, on the review prompts scored by the
-# family's reward model: grpo.py's default rule reward would give a random policy 0 on every arithmetic answer, every
-# group zero-signal, and no step to check. ppo.py holds every kind of model a script loads (the policy, its reference,
-# the reward model and the critic made from it) and rloo.py samples groups of one prompt; grpo.py holds rloo.py's
-# models and samples its groups, so the family matrix runs those two (in this process).
+# family's reward model (in this process). One script suffices: what a family changes is what the runtime does alike
+# for every algorithm (loading each kind of model, the reward model's and the critic's head, the positions, saving the
+# policy: rlhf_runtime) and what each script's generate and response_logprobs do, identical in the four (the drift
+# test); the algorithms' own math reads only their float32 log-probs, values and scores. ppo.py loads every kind of
+# model a script loads (the policy, its reference, the reward model and the critic made from it). What a run of
+# rloo.py added here, a group's prompt sampled once for its rows, is generate's, checked on every family by
+# test_a_groups_prompt_is_encoded_once below, each row against itself sampled alone.
 TINY = ["--total_episodes=8", "--minibatch_size=4", "--micro_batch_size=4", "--response_length=8", "--eval_every=0"]
 
 
 REVIEWS = ["--reward_fn", "--dataset", os.path.join(ROOT, "assets", "reviews", "train.jsonl")]
 
 
-BATCH = {
-    "ppo.py": ["--rollout_batch_size=4", "--num_epochs=1"],
-    "rloo.py": ["--rollout_batch_size=2", "--num_generations=2"],
-}
+BATCH = ["--rollout_batch_size=4", "--num_epochs=1"]
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
-def test_two_iterations(script, family, tmp_path):
+def test_two_iterations(family, tmp_path):
     policy, rm = family
     models = [f"--model_name_or_path={policy}", "--reward_model_path", str(rm)]
-    rows, _ = run_main(script, tmp_path / "run", *TINY, *REVIEWS, *BATCH[script], *models)
+    rows, _ = run_main("ppo.py", tmp_path / "run", *TINY, *REVIEWS, *BATCH, *models)
     assert [r["iteration"] for r in rows] == [1, 2]
-    keys = ["objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy"]
-    if script == "ppo.py":
-        keys.append("val/loss")
+    keys = ["objective/score", "objective/kl", "policy/loss", "policy/entropy", "grad_norm/policy", "val/loss"]
     for r in rows:
         for key in keys:
             assert math.isfinite(r[key]), key
@@ -202,7 +206,7 @@ def write_tiny_models(tmp_path):
 def test_wrong_model_kinds(tmp_path):
     write_tiny_models(tmp_path)
     with pytest.raises(SystemExit, match="not a causal LM"):
-        ppo.validate(ppo.Args(model_name_or_path=str(tmp_path / "rm")))
+        ppo.validate(make_args(ppo, model_name_or_path=str(tmp_path / "rm")))
     with pytest.raises(SystemExit, match="not a sequence classifier"):
         ppo.validate(ppo.Args(reward_model_path=(str(tmp_path / "lm"),)))
 
@@ -216,7 +220,7 @@ def test_model_paths_are_blamed_on_the_right_flag(tmp_path):
     for name in ("config.json", "model.safetensors"):
         (no_tokenizer / name).write_bytes(open(os.path.join(tiny, name), "rb").read())
     with pytest.raises(SystemExit, match="has no tokenizer"):
-        ppo.validate(ppo.Args(model_name_or_path=str(no_tokenizer), output_dir=str(tmp_path / "run")))
+        ppo.validate(make_args(ppo, model_name_or_path=str(no_tokenizer), output_dir=str(tmp_path / "run")))
     assert not (tmp_path / "run").exists()
 
 
@@ -228,19 +232,19 @@ def test_lengths_past_the_policys_positions_and_lora_targets_it_lacks_are_refuse
         match=r"^--response_length plus --max_prompt_length must fit the policy's 128 "
         r"positions \(got 65\)\.$",
     ):
-        grpo.validate(grpo.Args(output_dir=out, max_prompt_length=64, response_length=65))
-    grpo.validate(grpo.Args(output_dir=out, max_prompt_length=64, response_length=64))  # 128 fit
+        grpo.validate(make_args(grpo, output_dir=out, max_prompt_length=64, response_length=65))
+    grpo.validate(make_args(grpo, output_dir=out, max_prompt_length=64, response_length=64))  # 128 fit
     with pytest.raises(
         SystemExit,
         match=r"^--lora_target_modules must each end the name of a module of the policy, "
         r"or be all-linear \(got \('q_proj', 'qkv'\)\)\.$",
     ):
-        grpo.validate(grpo.Args(output_dir=out, lora_r=4, lora_target_modules=("q_proj", "qkv")))
-    grpo.validate(grpo.Args(output_dir=out, lora_r=4, lora_target_modules=("q_proj", "mlp.down_proj")))
+        grpo.validate(make_args(grpo, output_dir=out, lora_r=4, lora_target_modules=("q_proj", "qkv")))
+    grpo.validate(make_args(grpo, output_dir=out, lora_r=4, lora_target_modules=("q_proj", "mlp.down_proj")))
     assert not os.path.exists(out)
 
 
-def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
+def test_tokenizer_without_pad_falls_back_to_eos(tmp_path, held_out):
     import shutil
 
     from transformers import AutoTokenizer
@@ -253,7 +257,11 @@ def test_tokenizer_without_pad_falls_back_to_eos(tmp_path):
     assert AutoTokenizer.from_pretrained(policy_dir).pad_token is None
     sizes = ["--rollout_batch_size=8", "--minibatch_size=4", "--micro_batch_size=2", "--num_epochs=2"]
     policy = f"--model_name_or_path={policy_dir}"
-    rows, output = run_main("ppo.py", tmp_path / "run", *sizes, "--total_episodes=16", "--response_length=8", policy)
+    # evaluated on 15 held-out prompts (conftest.py's held_out), not the 400 beside the data, scored 2 at a time
+    evaluation = f"--eval_dataset={held_out['reviews']}"
+    rows, output = run_main(
+        "ppo.py", tmp_path / "run", *sizes, "--total_episodes=16", "--response_length=8", policy, evaluation
+    )
     assert "no pad token; using EOS as pad" in output
     rows = rows[1:]
     # With pad == EOS the mask, not the token id, ends a response: lengths stay within bounds and the
@@ -268,9 +276,9 @@ LORA = ["--lora_r=4", "--lora_alpha=8", "--lora_target_modules", "q_proj", "v_pr
 
 
 def test_the_reference_is_the_base_with_the_adapters_off():
-    args = ppo.Args(lora_r=4, lora_alpha=8.0, lora_target_modules=("q_proj", "v_proj"))
-    policy = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=True)
-    reference = ppo.load_reference(args, policy, "cpu")
+    run = RunSettings(lora_r=4, lora_alpha=8.0, lora_target_modules=("q_proj", "v_proj"))
+    policy = load_model(AutoModelForCausalLM, POLICY, run, "cpu", trained=True)
+    reference = load_reference(run, policy, "cpu")
     assert list(reference.parameters()) == []  # no second copy of the weights
     assert {n for n, p in policy.named_parameters() if p.requires_grad} == {
         n for n, _ in policy.named_parameters() if "lora_" in n
@@ -280,7 +288,7 @@ def test_the_reference_is_the_base_with_the_adapters_off():
             if "lora_B" in name:  # B starts at zero (adapters on = off); give it something to switch off
                 p.copy_(torch.randn_like(p) * 0.1)
     base = AutoModelForCausalLM.from_pretrained(POLICY).eval()
-    input_ids, attention_mask = ppo.left_pad([[5, 9, 14, 30, 41], [12, 50, 60]], 1, "cpu")
+    input_ids, attention_mask = left_pad([[5, 9, 14, 30, 41], [12, 50, 60]], 1, "cpu")
     with torch.no_grad():
         off = ppo.response_logprobs(reference, input_ids, attention_mask, 2, 0.7)
         on = ppo.response_logprobs(policy, input_ids, attention_mask, 2, 0.7)
@@ -292,13 +300,13 @@ def test_the_reference_is_the_base_with_the_adapters_off():
 def test_adapter_dropout_acts_in_the_update_only():
     """--lora_dropout: the adapters' dropout is off as loaded (sampling, evaluation), on between
     adapter_dropout(.., on=True) and (.., on=False) (the update), and nothing else in the model leaves eval mode."""
-    args = ppo.Args(lora_r=4, lora_alpha=8.0, lora_dropout=0.5)
-    policy = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=True)
+    run = RunSettings(lora_r=4, lora_alpha=8.0, lora_dropout=0.5)
+    policy = load_model(AutoModelForCausalLM, POLICY, run, "cpu", trained=True)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn_like(p) * 0.1)
-    input_ids, attention_mask = ppo.left_pad([[5, 9, 14, 30, 41], [12, 50, 60]], 1, "cpu")
+    input_ids, attention_mask = left_pad([[5, 9, 14, 30, 41], [12, 50, 60]], 1, "cpu")
 
     def logprobs():
         with torch.no_grad():
@@ -310,11 +318,11 @@ def test_adapter_dropout_acts_in_the_update_only():
     off = logprobs()
     assert training_modules() == set()
     assert torch.equal(logprobs(), off)
-    ppo.adapter_dropout([policy], on=True)
+    adapter_dropout([policy], on=True)
     assert training_modules()
     assert all("lora_dropout" in n.split(".") for n in training_modules())
     assert not torch.equal(logprobs(), logprobs())  # a new dropout mask at each forward
-    ppo.adapter_dropout([policy], on=False)
+    adapter_dropout([policy], on=False)
     assert training_modules() == set()
     assert torch.equal(logprobs(), off)
 
@@ -378,7 +386,7 @@ def test_rloo_with_lora_starts_at_the_reference(tmp_path):
 
 def test_save_adapters_only_needs_lora():
     with pytest.raises(SystemExit, match="--save_adapters_only needs adapters: pass --lora_r"):
-        ppo.validate(ppo.Args(save_adapters_only=True))
+        ppo.validate(make_args(ppo, save_adapters_only=True))
 
 
 # ---------------------------------------------------------------- chat templates and stop tokens
@@ -414,15 +422,14 @@ def test_chat_prompts_render_as_the_template_says(tmp_path):
         "<|system|>be kind<|end|>\n<|user|>the food was<|end|>\n<|assistant|>",
         "<|user|>the room was<|end|>\n<|assistant|>",
     ]
-    args = ppo.Args(chat_template=True)
-    prompts, _ = ppo.load_prompts(path, "train", args, tokenizer)
+    prompts, _ = load_prompts(path, "train", RunSettings(chat_template=True), tokenizer)
     assert prompts == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in by_hand]
     end = tokenizer.convert_tokens_to_ids("<|end|>")
     # the special token is one token, not its characters
     assert end in prompts[0]
     assert prompts[0].count(end) == 2
     # without --chat_template, text stays text and messages are still rendered
-    prompts, _ = ppo.load_prompts(path, "train", ppo.Args(), tokenizer)
+    prompts, _ = load_prompts(path, "train", RunSettings(), tokenizer)
     assert prompts == [
         tokenizer(by_hand[0], add_special_tokens=False)["input_ids"],
         tokenizer("the room was", add_special_tokens=False)["input_ids"],
@@ -433,10 +440,10 @@ def test_stop_tokens_are_eos_the_generation_config_and_the_end_of_turn(tmp_path)
     tokenizer = chat_tokenizer()
     end = tokenizer.convert_tokens_to_ids("<|end|>")
     # no generation_config.json here
-    assert ppo.stop_token_ids(tokenizer, str(tmp_path)).tolist() == sorted([tokenizer.eos_token_id, end])
+    assert stop_token_ids(tokenizer, str(tmp_path)).tolist() == sorted([tokenizer.eos_token_id, end])
     plain = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [plain.eos_token_id, 7]}))
-    assert ppo.stop_token_ids(plain, str(tmp_path)).tolist() == sorted({plain.eos_token_id, 7})
+    assert stop_token_ids(plain, str(tmp_path)).tolist() == sorted({plain.eos_token_id, 7})
 
 
 def test_a_response_ends_at_any_stop_token():
@@ -444,7 +451,7 @@ def test_a_response_ends_at_any_stop_token():
     ends there, the mask covering it, pad after it, and with the same log-probs up to it."""
     torch.manual_seed(0)
     policy = LlamaForCausalLM(tiny_llama_config()).eval()
-    prompt_ids, prompt_mask = ppo.left_pad([[5, 6, 7]], 0, "cpu")
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7]], 0, "cpu")
     uniforms = torch.rand(1, 8, generator=torch.Generator().manual_seed(1))
     never = ppo.Sampling(8, 0.8, -1, 0)  # no token is -1: no stop
     free, free_logprobs, free_mask = ppo.generate(policy, prompt_ids, prompt_mask, never, uniforms)
@@ -473,7 +480,7 @@ def test_bad_chat_input_is_refused_in_one_sentence(tmp_path, prompt, chat_templa
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))  # no chat template
     path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "fine"}, {"prompt": prompt}])
     with pytest.raises(SystemExit, match=message):
-        ppo.load_prompts(path, "train", ppo.Args(chat_template=chat_template), tokenizer)
+        load_prompts(path, "train", RunSettings(chat_template=chat_template), tokenizer)
 
 
 def test_a_run_on_chat_prompts(tmp_path):
@@ -499,7 +506,7 @@ def test_a_lone_surrogate_and_a_broken_chat_template_are_named(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": "\\ud83d+1=", "answer": 2}\n')  # JSON's half an emoji
     with pytest.raises(SystemExit, match=r"row 2 of .* holds a lone surrogate \(half of a UTF-16 pair\); fix its text"):
-        grpo.load_prompts(str(data), "train", grpo.Args(), tokenizer)
+        load_prompts(str(data), "train", RunSettings(), tokenizer, grpo.Args().reward_fn)
     for template, error in (
         ("{{ raise_exception('no system role') }}", "no system role"),
         ("{% for m in messages %}<|{{ m['role'] }}|>{% endfor %}", "substring not found"),
@@ -510,7 +517,7 @@ def test_a_lone_surrogate_and_a_broken_chat_template_are_named(tmp_path):
             match=rf"the chat template of 'here' fails on a user turn and its answer "
             rf"\(.*{error}.*\); fix it",
         ):
-            grpo.stop_token_ids(tokenizer, "here")
+            stop_token_ids(tokenizer, "here")
 
 
 def test_a_template_that_raises_is_named_before_the_chat_prompts_are_rendered(tmp_path):
@@ -521,16 +528,18 @@ def test_a_template_that_raises_is_named_before_the_chat_prompts_are_rendered(tm
     (policy / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ raise_exception('x') }}"}))
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "answer": 2}) + "\n")
-    args = grpo.Args(model_name_or_path=str(policy), dataset=str(data), eval_every=0, output_dir=str(tmp_path / "run"))
+    args = make_args(
+        grpo, model_name_or_path=str(policy), dataset=str(data), eval_every=0, output_dir=str(tmp_path / "run")
+    )
     with pytest.raises(SystemExit, match="the chat template of .* fails on a user turn and its answer"):
-        grpo.load_task(args, torch.device("cpu"))
+        runtime.load_task(args, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- gradient checkpointing and mixed precision
 
 
 def batch():
-    input_ids, attention_mask = ppo.left_pad(
+    input_ids, attention_mask = left_pad(
         [[5, 9, 14, 30, 41, 7, 8], [12, 50, 60, 3], [70, 71, 72, 73, 74, 75]], 1, "cpu"
     )
     return input_ids, attention_mask
@@ -555,9 +564,9 @@ def loss_and_block_calls(model):
 
 
 def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient():
-    plain = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(), "cpu", trained=True)
-    checkpointed = ppo.load_model(
-        AutoModelForCausalLM, POLICY, ppo.Args(gradient_checkpointing=True), "cpu", trained=True
+    plain = load_model(AutoModelForCausalLM, POLICY, RunSettings(), "cpu", trained=True)
+    checkpointed = load_model(
+        AutoModelForCausalLM, POLICY, RunSettings(gradient_checkpointing=True), "cpu", trained=True
     )
     grads, plain_calls = loss_and_block_calls(plain)
     grads_checkpointed, checkpointed_calls = loss_and_block_calls(checkpointed)
@@ -569,13 +578,13 @@ def test_gradient_checkpointing_recomputes_each_block_and_changes_no_gradient():
 
 
 def test_mixed_precision_computes_in_bf16_over_float32_weights():
-    args = ppo.Args(mixed_precision=True)
-    policy = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=True)
-    frozen = ppo.load_model(AutoModelForCausalLM, POLICY, args, "cpu", trained=False)
-    plain = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(), "cpu", trained=True)
+    run = RunSettings(mixed_precision=True)
+    policy = load_model(AutoModelForCausalLM, POLICY, run, "cpu", trained=True)
+    frozen = load_model(AutoModelForCausalLM, POLICY, run, "cpu", trained=False)
+    plain = load_model(AutoModelForCausalLM, POLICY, RunSettings(), "cpu", trained=True)
     input_ids, attention_mask = batch()
     logits = policy(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=ppo.position_ids_from(attention_mask)
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask)
     ).logits
     assert logits.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in policy.parameters())
@@ -596,7 +605,7 @@ def test_the_static_decode_loop_records_the_training_log_probs_with_the_option(o
     flagged for recomputation (--gradient_checkpointing, which must not drop the cache while sampling): the log-probs
     recorded while sampling are a teacher-forced pass's through the same model, so that the first ratio is 1 (to bf16's
     rounding under autocast, about 1%)."""
-    policy = ppo.load_model(AutoModelForCausalLM, POLICY, ppo.Args(**{option: True}), "cpu", trained=True)
+    policy = load_model(AutoModelForCausalLM, POLICY, RunSettings(**{option: True}), "cpu", trained=True)
     prompt_ids, prompt_mask = batch()
     uniforms = torch.rand(3, 12, generator=torch.Generator().manual_seed(5))
     sampling = ppo.Sampling(12, 0.7, torch.tensor([0]), 1, kernel_decode=True)
@@ -612,15 +621,17 @@ def test_the_static_decode_loop_records_the_training_log_probs_with_the_option(o
 
 def test_mixed_precision_refuses_bf16_master_weights():
     with pytest.raises(SystemExit, match="--mixed_precision keeps float32 master weights"):
-        ppo.validate(replace(ppo.Args(), mixed_precision=True, model_dtype="bfloat16"))
+        ppo.validate(make_args(ppo, mixed_precision=True, model_dtype="bfloat16"))
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "grpo.py", "rloo.py"])
-def test_one_iteration_with_the_option(script, tmp_path):
-    """Both options in one run (each one's own effect is tested above, in this process)."""
+def test_one_iteration_with_the_option(tmp_path):
+    """Both options in one run (each one's own effect is tested above, in this process). One script suffices: both
+    act only in rlhf_runtime.loading.load_model, alike for every script, and the algorithms' math reads float32
+    log-probs, values and scores under either; ppo.py loads every kind of model (the trained policy and critic, the
+    reference and reward model frozen in bf16)."""
     # the tiny run's 8 responses, one iteration, in two micro-batches of 4
-    one_iteration = tiny_run(script, micro_batch_size=4, total_episodes=8, response_length=8, eval_every=0)
-    rows, _ = run_main(script, tmp_path, "--gradient_checkpointing", "--mixed_precision", *one_iteration)
+    one_iteration = tiny_run("ppo.py", micro_batch_size=4, total_episodes=8, response_length=8, eval_every=0)
+    rows, _ = run_main("ppo.py", tmp_path, "--gradient_checkpointing", "--mixed_precision", *one_iteration)
     assert [r["iteration"] for r in rows] == [1]
     assert all(torch.isfinite(torch.tensor(v)) for k, v in rows[0].items() if k.startswith(("policy/", "objective/")))
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path))

@@ -5,8 +5,9 @@ The references are independent of the code under test: every row run alone, with
 own default positions, and the log-softmax taken in float64 here. Cutting must change nothing but rounding:
 - in float64 the logits and a classifier's values at every real position equal the row alone within 1e-9, for the
   padded batch and for the cut one, on every family of the model matrix;
-- in float32 the scripts' own forwards (the rollout's chunks, a training micro-batch with its entropy, the reward
-  model read at the last token) equal the row alone within 1e-5 on the embedded models;
+- in float32 the forwards the scripts run (the rollout's chunks and the reward model read at the last token, through
+  rlhf_runtime; a training micro-batch with its entropy, through ppo.py's response_logprobs, the same in every script)
+  equal the row alone within 1e-5 on the embedded models;
 - a group's rows, their prompt prefilled once and its cache repeated, sample the tokens each row samples alone, with
   log-probs within 1e-5 on the embedded policy in float32 (and 1e-9 in float64 on every family: test_models).
 """
@@ -19,6 +20,8 @@ from helpers import FAMILIES, PAD, ROOT, TOKENIZER, assert_group_prompts_prefill
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import ppo
+import rlhf_runtime as runtime
+from rlhf_runtime.batches import by_length, cut_padding, head_outputs, in_chunks, position_ids_from
 
 # real lengths; rows padded to 7 prompt and 8 response columns
 PROMPTS = [2, 5, 3, 1, 4]
@@ -49,7 +52,7 @@ def test_cut_padding_keeps_the_columns_some_row_uses_by_hand():
     mask = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 0, 0]])
     ids = torch.arange(16).view(2, 8)
     per_token = torch.arange(8.0).view(2, 4)
-    cut, p = ppo.cut_padding(
+    cut, p = cut_padding(
         dict(input_ids=ids, attention_mask=mask, logprobs_old=per_token, advantages=torch.tensor([0.5, -0.5])), 4
     )
     assert p == 2
@@ -61,7 +64,7 @@ def test_cut_padding_keeps_the_columns_some_row_uses_by_hand():
 
 def test_by_length_puts_similar_lengths_together():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
-    assert ppo.by_length(torch.tensor([4, 3, 2, 1, 0]), mask).tolist() == [4, 1, 3, 0, 2]  # ties keep their order
+    assert by_length(torch.tensor([4, 3, 2, 1, 0]), mask).tolist() == [4, 1, 3, 0, 2]  # ties keep their order
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -74,7 +77,7 @@ def test_cut_forwards_equal_each_row_alone_in_float64(name):
     policy = AutoModelForCausalLM.from_config(FAMILIES[name](), **eager).double().eval()
     critic = AutoModelForSequenceClassification.from_config(FAMILIES[name](num_labels=1), **eager).double().eval()
     input_ids, attention_mask, rows = padded_batch(len(TOKENIZER))
-    cut, p = ppo.cut_padding(dict(input_ids=input_ids, attention_mask=attention_mask), P)
+    cut, p = cut_padding(dict(input_ids=input_ids, attention_mask=attention_mask), P)
     assert p == max(PROMPTS)
     assert cut["input_ids"].shape[1] == max(PROMPTS) + max(RESPONSES)
     values = []
@@ -86,7 +89,7 @@ def test_cut_forwards_equal_each_row_alone_in_float64(name):
     with torch.no_grad():
         outputs = []
         for ids, mask, start in ((input_ids, attention_mask, P), (cut["input_ids"], cut["attention_mask"], p)):
-            positions = ppo.position_ids_from(mask)
+            positions = position_ids_from(mask)
             logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits
             critic(input_ids=ids, attention_mask=mask, position_ids=positions)
             outputs.append((logits, values.pop(), start))
@@ -127,14 +130,13 @@ def test_the_rollouts_chunks_equal_each_row_alone(embedded):
 
     hook = policy.get_output_embeddings().register_forward_hook(record_positions)
     with torch.no_grad():
-        logprobs = ppo.in_chunks(
+        logprobs = in_chunks(
             lambda i, m, p: ppo.response_logprobs(policy, i, m, p, 0.7), 2, input_ids, attention_mask, P
         )
-        values = ppo.in_chunks(
-            lambda i, m, p: ppo.head_outputs(rm, i, m)[:, p - 1 : -1], 2, input_ids, attention_mask, P
-        )
-        scorer = ppo.Scorer([(rm, None)], [], TOKENIZER, ppo.new_state())
-        scores = ppo.score_responses(scorer, input_ids, attention_mask, P, [{}] * 5, ppo.Args(micro_batch_size=2)).raw
+        values = in_chunks(lambda i, m, p: head_outputs(rm, i, m)[:, p - 1 : -1], 2, input_ids, attention_mask, P)
+        scorer = runtime.Scorer([(rm, None)], [], TOKENIZER, runtime.new_state(), ppo.combine_scores)
+        args = ppo.Args(micro_batch_size=2)
+        scores = runtime.score_responses(scorer, input_ids, attention_mask, P, [{}] * 5, args).raw
         hook.remove()
         assert logprobs.shape == values.shape == (5, T)
         # Sorted by length (3, 9, 5, 7, 7 tokens) the chunks are rows (0, 2), (3, 4), (1,): the LM head runs on each
@@ -146,7 +148,7 @@ def test_the_rollouts_chunks_equal_each_row_alone(embedded):
             expected, _ = alone_logprobs(policy, tokens, n, 0.7)
             torch.testing.assert_close(logprobs[b, :m].double(), expected, atol=1e-5, rtol=1e-6)
             assert (logprobs[b, m:] == 0).all()  # the values there are the scripts' to mask (values_old is)
-            alone_values = ppo.head_outputs(rm, tokens[None], torch.ones_like(tokens[None]))[0]  # (n + m,)
+            alone_values = head_outputs(rm, tokens[None], torch.ones_like(tokens[None]))[0]  # (n + m,)
             torch.testing.assert_close(values[b, :m], alone_values[n - 1 : -1], atol=1e-5, rtol=0)
             torch.testing.assert_close(scores[b], alone_values[-1], atol=1e-5, rtol=0)
 
@@ -157,11 +159,11 @@ def test_a_training_micro_batch_cut_equals_each_row_alone(embedded):
     policy, _ = embedded
     input_ids, attention_mask, rows = padded_batch(len(TOKENIZER), seed=2)
     rollout = dict(input_ids=input_ids, attention_mask=attention_mask, advantages=torch.arange(5.0))
-    order = ppo.by_length(torch.arange(5), attention_mask)
+    order = by_length(torch.arange(5), attention_mask)
     assert order.tolist() == [0, 2, 3, 4, 1]  # rows of 3, 9, 5, 7 and 7 tokens; ties keep their order
     loss = 0.0
     for micro_idx in order.split(3):
-        micro, p = ppo.cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)
+        micro, p = cut_padding({k: v[micro_idx] for k, v in rollout.items()}, P)
         logprobs, entropy = ppo.response_logprobs(
             policy, micro["input_ids"], micro["attention_mask"], p, 1.0, return_entropy=True
         )
