@@ -24,6 +24,7 @@ Qwen/Qwen2.5-0.5B-Instruct --reward_model_path <rm> --dataset <prompts.jsonl> --
 models); `torchrun --nproc_per_node=8 ppo.py --args ...` (one process per GPU, every model sharded with FSDP2).
 """
 
+import importlib.util
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,12 +34,10 @@ import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.cache_utils import DynamicCache
 
-try:  # the plumbing the scripts share, written once: the folder rlhf_runtime/ beside this file
-    import rlhf_runtime as runtime
-except ModuleNotFoundError as e:
-    if e.name != "rlhf_runtime":
-        raise
-    raise SystemExit(f"{__file__} needs the folder rlhf_runtime/ beside it: copy it from this project too.") from None
+if importlib.util.find_spec("rlhf_runtime") is None:  # this file copied without the folder beside it
+    raise SystemExit(f"{__file__} needs the folder rlhf_runtime/ beside it: copy it from this project too.")
+import rlhf_runtime as runtime  # noqa: E402 (the plumbing the scripts share, written once: one sentence above if absent)
+
 try:  # rlhf_kernels/ beside this file: the fused log-softmax-gather, and generate's decode steps as CUDA graphs
     from rlhf_kernels import static_decode, token_logprobs
 except ImportError:  # copied without it: generate's own decode loop, and the same log-probs from plain torch

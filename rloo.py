@@ -23,6 +23,7 @@ Commands: `python rloo.py` (the embedded default: reviews, the tiny reward model
 every model sharded with FSDP2).
 """
 
+import importlib.util
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -32,12 +33,10 @@ import tyro
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicCache
 
-try:  # the plumbing the scripts share, written once: the folder rlhf_runtime/ beside this file
-    import rlhf_runtime as runtime
-except ModuleNotFoundError as e:
-    if e.name != "rlhf_runtime":
-        raise
-    raise SystemExit(f"{__file__} needs the folder rlhf_runtime/ beside it: copy it from this project too.") from None
+if importlib.util.find_spec("rlhf_runtime") is None:  # this file copied without the folder beside it
+    raise SystemExit(f"{__file__} needs the folder rlhf_runtime/ beside it: copy it from this project too.")
+import rlhf_runtime as runtime  # noqa: E402 (the plumbing the scripts share, written once: one sentence above if absent)
+
 try:  # rlhf_kernels/ beside this file: the fused log-softmax-gather, and generate's decode steps as CUDA graphs
     from rlhf_kernels import static_decode, token_logprobs
 except ImportError:  # copied without it: generate's own decode loop, and the same log-probs from plain torch
