@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicCache
 
 if importlib.util.find_spec("rlhf_runtime") is None:  # this file copied without the folder beside it
     raise SystemExit(f"{__file__} needs the folder rlhf_runtime/ beside it: copy it from this project too.")
-import rlhf_runtime as runtime  # noqa: E402 (the plumbing the scripts share, written once: one sentence above if absent)
+import rlhf_runtime as runtime  # noqa: E402 (after the check above) the plumbing the scripts share, written once
 
 try:  # rlhf_kernels/ beside this file: the fused log-softmax-gather, and generate's decode steps as CUDA graphs
     from rlhf_kernels import static_decode, token_logprobs
