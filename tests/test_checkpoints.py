@@ -1,9 +1,10 @@
-"""Never losing a run (shared code, through the scripts' copies): a run stopped by SIGTERM or Ctrl-C, or by a reward
-failing before its first step, in an evaluation or mid-run, and resumed with the command it printed writes the same
-log and the same weights, to its Adam states, as one never stopped; a kill during a save leaves the previous
-checkpoint; a damaged checkpoint is named and the one before taken; non-finite steps are skipped and never saved;
-one run per folder (the lock, taken first); the same seed gives the same run; resumes that refuse other runs' or
-other arguments' checkpoints and allow what may change.
+"""Never losing a run (rlhf_runtime/checkpoints.py, written once for every script, run through the scripts): a run
+stopped by SIGTERM or Ctrl-C, or by a reward failing before its first step, in an evaluation or mid-run, and resumed
+with the command it printed writes the same log and the same weights, to its Adam states, as one never stopped; a kill
+during a save leaves the previous checkpoint; a damaged checkpoint is named and the one before taken; non-finite steps
+are skipped and never saved; one run per folder (the lock, taken first); the same seed gives the same run; resumes
+that refuse other runs' or other arguments' checkpoints and allow what may change. What the runtime does alike for
+every script is shown once, on one script; what a checkpoint holds of each algorithm's own state, per script.
 
 Why a resumed run is bitwise the same run on a CPU: everything random is drawn from generators seeded afresh from
 the seed (each iteration's samples and minibatches from (seed, iteration), the data order from seed + data epoch,
@@ -40,6 +41,7 @@ from helpers import (
     final_state,
     finished,
     launch,
+    make_args,
     read_rows,
     resume_as_printed,
     run_main,
@@ -54,7 +56,8 @@ from safetensors.torch import load_file
 
 import grpo
 import ppo
-import rloo
+import rlhf_runtime as runtime
+from rlhf_runtime import checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +246,7 @@ def test_the_command_a_stop_prints_holds_one_resume(tmp_path, monkeypatch, capsy
     """A run started with --resume (a path, or auto, in either spelling) and stopped again prints the command to go on
     with the new checkpoint as its only --resume (each stop added one after the last: `--resume auto --resume ...`)."""
     checkpoint = str(tmp_path / "checkpoint-5")
-    monkeypatch.setattr(grpo, "save_checkpoint", lambda args, models, optimizers, state, rank: checkpoint)
+    monkeypatch.setattr(checkpoints, "save_checkpoint", lambda args, models, optimizers, state, rank: checkpoint)
     argv = [
         "grpo.py",
         "--output_dir",
@@ -256,8 +259,8 @@ def test_the_command_a_stop_prints_holds_one_resume(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(sys, "argv", argv)
     policy = torch.nn.Linear(1, 1)
     with pytest.raises(SystemExit) as stopped:
-        grpo.stop_if_asked(
-            [signal.SIGTERM], grpo.new_state(), {"policy": policy}, {}, grpo.Args(output_dir=str(tmp_path))
+        runtime.stop_if_asked(
+            [signal.SIGTERM], runtime.new_state(), {"policy": policy}, {}, grpo.Args(output_dir=str(tmp_path))
         )
     assert stopped.value.code == 128 + signal.SIGTERM
     command = capsys.readouterr().out.split("to go on:\n")[1].strip()
@@ -301,18 +304,19 @@ def test_resuming_with_other_arguments_is_refused(tmp_path, uninterrupted, capsy
     with pytest.raises(SystemExit, match="was made with other values of --learning_rate, --response_length"):
         set_up(
             grpo,
-            grpo.Args(
+            make_args(
+                grpo,
                 **{
                     **TINY["grpo.py"],
                     "output_dir": str(tmp_path),
                     "resume": checkpoint,
                     "learning_rate": 1e-3,
                     "response_length": 9,
-                }
+                },
             ),
         )
     # more episodes: allowed
-    args = grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})
+    args = make_args(grpo, **{**TINY["grpo.py"], "output_dir": str(out), "resume": "auto", "total_episodes": 96})
     set_up(grpo, args)
     assert f"--resume auto: resuming from {checkpoint}\n" in capsys.readouterr().out
 
@@ -331,7 +335,7 @@ def test_a_resume_may_raise_the_reward_timeout_and_change_the_micro_batch(tmp_pa
     micro-batch changes the order of the float sums alone)."""
     out = tmp_path / "run"
     run_main("grpo.py", out, *cli("grpo.py", total_episodes=16, save_every=1, micro_batch_size=4, reward_timeout=30))
-    assert grpo.read_json(out / "checkpoint-2" / "args.json")["micro_batch_size"] == 4
+    assert checkpoints.read_json(out / "checkpoint-2" / "args.json")["micro_batch_size"] == 4
     rows, printed = run_main(
         "grpo.py", out, *cli("grpo.py", total_episodes=24, save_every=1, reward_timeout=60), "--resume=auto"
     )
@@ -348,7 +352,7 @@ def run_as_found(tmp_path, uninterrupted, script="ppo.py"):
 
 def tiny_args(script, out, **kw):
     """The arguments of the tiny runs (relative paths, as on their command lines)."""
-    return MODULES[script].Args(**{**TINY[script], "output_dir": str(out), **kw})
+    return make_args(MODULES[script], **{**TINY[script], "output_dir": str(out), **kw})
 
 
 def test_a_new_run_never_resumes_or_mixes_in_another_runs_checkpoints(tmp_path, uninterrupted):
@@ -398,8 +402,12 @@ def test_a_resume_onto_a_policy_of_another_size_is_refused_in_one_sentence(tmp_p
     config.hidden_size = 2 * config.hidden_size
     config.intermediate_size = 2 * config.intermediate_size
     AutoModelForCausalLM.from_config(config).save_pretrained(policy)
-    args = grpo.Args(
-        **{**TINY["grpo.py"], "total_episodes": 16}, model_name_or_path=str(policy), output_dir=str(out), resume="auto"
+    args = make_args(
+        grpo,
+        **{**TINY["grpo.py"], "total_episodes": 16},
+        model_name_or_path=str(policy),
+        output_dir=str(out),
+        resume="auto",
     )
     with pytest.raises(
         SystemExit,
@@ -504,7 +512,7 @@ def saved_by_hand(folder, iteration, args):
     tmp = folder.parent / (folder.name + ".tmp")
     tmp.mkdir()
     (folder.parent / "metrics.jsonl").touch()  # the run's log, which the checkpoint copies
-    grpo.complete_checkpoint(str(tmp), str(folder), args, grpo.new_state() | {"iteration": iteration})
+    checkpoints.complete_checkpoint(str(tmp), str(folder), args, runtime.new_state() | {"iteration": iteration})
 
 
 def test_a_state_of_another_iteration_than_its_name_is_refused(tmp_path):
@@ -513,8 +521,10 @@ def test_a_state_of_another_iteration_than_its_name_is_refused(tmp_path):
     args = grpo.Args(output_dir=str(tmp_path))
     saved_by_hand(tmp_path / "checkpoint-2", 2, args)
     saved_by_hand(tmp_path / "checkpoint-3", 1, args)
-    assert grpo.checkpoint_problem(str(tmp_path / "checkpoint-2")) is None
-    assert grpo.checkpoint_problem(str(tmp_path / "checkpoint-3")) == "its name says iteration 3, its state.json 1"
+    assert checkpoints.checkpoint_problem(str(tmp_path / "checkpoint-2")) is None
+    assert (
+        checkpoints.checkpoint_problem(str(tmp_path / "checkpoint-3")) == "its name says iteration 3, its state.json 1"
+    )
 
 
 GRPO_ONE_ITERATION = [
@@ -638,12 +648,16 @@ def test_max_bad_steps_in_a_row_stop_the_run(tmp_path, monkeypatch, keep_signal_
         ppo.main(args_for("ppo.py", tmp_path, total_episodes=48, max_bad_steps=2))
 
 
-@pytest.mark.parametrize("script", ["ppo.py", "rloo.py"])
-def test_a_learning_rate_of_1e9_never_ends_with_a_broken_policy_saved(script, tmp_path, keep_signal_handlers):
-    """The first step takes every weight to about 1e9 (finite, but the logits are nan from then on). PPO here takes
-    four steps an iteration, so three non-finite ones in a row stop it at the end of its first; RLOO takes one (as
-    GRPO does), and the run ends after a single bad step: the final save refuses the policy."""
-    several = dict(minibatch_size=4, micro_batch_size=4, num_epochs=2) if script == "ppo.py" else {}
+# The non-finite steps are the runtime's (optimizer_step, stop_if_asked, finish), the same for every script: one script
+# shows both endings. rloo.py, whose reward model gives the first step a gradient of its own (grpo.py's rule scores
+# the tiny policy's responses all 0: its first step would come from the rounding of its KL term alone).
+@pytest.mark.parametrize("steps", ["several", "one"])
+def test_a_learning_rate_of_1e9_never_ends_with_a_broken_policy_saved(steps, tmp_path, keep_signal_handlers):
+    """The first step takes every weight to about 1e9 (finite, but the logits are nan from then on). In two epochs of
+    two minibatches the run takes four steps an iteration, so three non-finite ones in a row stop it at the end of its
+    first; in one step an iteration, the run ends after a single bad step: the final save refuses the policy."""
+    script = "rloo.py"
+    several = dict(minibatch_size=4, micro_batch_size=4, num_epochs=2) if steps == "several" else {}
     message = (
         "3 optimiser steps in a row had a non-finite loss or gradient \\(iteration 1\\)"
         if several
@@ -652,7 +666,7 @@ def test_a_learning_rate_of_1e9_never_ends_with_a_broken_policy_saved(script, tm
     with pytest.raises(SystemExit, match=message):
         MODULES[script].main(args_for(script, tmp_path, total_episodes=16, learning_rate=1e9, save_every=1, **several))
     assert not (tmp_path / "model.safetensors").exists()
-    for checkpoint in MODULES[script].checkpoints_in(str(tmp_path)):  # what was written is finite
+    for checkpoint in checkpoints.checkpoints_in(str(tmp_path)):  # what was written is finite
         assert all(torch.isfinite(w).all() for w in checkpointed(checkpoint)["policy"]["model"].values())
 
 
@@ -680,7 +694,7 @@ def test_a_failed_write_ends_in_one_sentence_and_leaves_the_last_checkpoint(tmp_
         result.stderr.strip(),
     )
     assert sorted(os.listdir(out)) == ["args.json", "checkpoint-3", "metrics.jsonl", "run.lock"]  # no checkpoint-4.tmp
-    assert rloo.checkpoint_problem(str(out / "checkpoint-3")) is None
+    assert checkpoints.checkpoint_problem(str(out / "checkpoint-3")) is None
 
 
 @pytest.mark.parametrize("saved", [[], ["--lora_r=4", "--save_adapters_only"]], ids=["policy", "adapters"])
@@ -741,7 +755,7 @@ def test_a_run_refused_the_folder_does_not_say_it_takes_it_over(tmp_path, capsys
     (out / "checkpoint-3").mkdir(parents=True)
     (out / "run.lock").write_text(f"process 4194999 on {os.uname().nodename}")
     with pytest.raises(SystemExit, match="holds the checkpoints of a run"):
-        set_up(grpo, grpo.Args(**{**TINY["grpo.py"], "output_dir": str(out)}))
+        set_up(grpo, make_args(grpo, **{**TINY["grpo.py"], "output_dir": str(out)}))
     assert "has ended" not in capsys.readouterr().out
     (out / "checkpoint-3").rmdir()  # the folder made free: this run goes on
     rows, printed = run_main("grpo.py", out, *cli("grpo.py", total_episodes=8))
@@ -765,7 +779,7 @@ def test_a_second_resume_while_a_run_holds_the_folder_is_refused_before_reading_
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out / "run.lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
-        args = grpo.Args(output_dir=str(out), resume="auto", eval_every=0)
+        args = make_args(grpo, output_dir=str(out), resume="auto", eval_every=0)
         with pytest.raises(SystemExit) as stopped:
             set_up(grpo, args)
     finally:
@@ -778,13 +792,13 @@ def test_a_run_lock_that_is_a_folder_or_cannot_be_written_is_one_sentence_before
     out = tmp_path / "run"
     (out / "run.lock").mkdir(parents=True)
     with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(Is a directory\\); remove it"):
-        set_up(grpo, grpo.Args(output_dir=str(out), eval_every=0))
+        set_up(grpo, make_args(grpo, output_dir=str(out), eval_every=0))
     if os.geteuid() != 0:  # root writes any file
         (out / "run.lock").rmdir()
         (out / "run.lock").write_text("")
         (out / "run.lock").chmod(0o444)
         with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(Permission denied\\)"):
-            set_up(grpo, grpo.Args(output_dir=str(out), eval_every=0))
+            set_up(grpo, make_args(grpo, output_dir=str(out), eval_every=0))
 
 
 def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_path):
@@ -796,14 +810,14 @@ def test_a_run_lock_that_is_a_link_is_refused_and_what_it_names_left_whole(tmp_p
         out.mkdir()
         (out / "run.lock").symlink_to(tmp_path / target)
         with pytest.raises(SystemExit, match="its run.lock cannot be opened for writing \\(it is a symbolic link, "):
-            grpo.take_lock(str(out))
+            checkpoints.take_lock(str(out))
     assert (tmp_path / "notes.txt").read_text() == "a week of notes"
     assert not (tmp_path / "nothing-here").exists()
 
 
 def test_a_run_lock_holding_bytes_that_are_not_text_is_taken_over_and_said(tmp_path):
     (tmp_path / "run.lock").write_bytes(b"\xff\xfe\x00garbage")
-    lock, taken_over = grpo.take_lock(str(tmp_path))
+    lock, taken_over = checkpoints.take_lock(str(tmp_path))
     assert "garbage has ended; this run takes the folder over" in taken_over
     assert (tmp_path / "run.lock").read_text() == f"process {os.getpid()} on {os.uname().nodename}"
     lock.close()
@@ -814,7 +828,7 @@ def test_a_file_system_without_locks_is_said_and_the_run_goes_on(tmp_path, monke
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(os, "lockf", no_locks)
-    lock, _ = grpo.take_lock(str(tmp_path))
+    lock, _ = checkpoints.take_lock(str(tmp_path))
     assert (
         "this file system cannot lock (No locks available): a second run here would not be refused"
         in capsys.readouterr().out
@@ -832,7 +846,7 @@ def test_ctrl_c_while_starting_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(tyro, "cli", interrupted)
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
-    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # the block sets the script's own
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # runtime.launch sets the runs' own
     code = None
     try:
         runpy.run_path(os.path.join(ROOT, "grpo.py"), run_name="__main__")

@@ -16,7 +16,9 @@ What is left is float32 rounding (matrix products over 8 rows rather than 16, su
 values agree to 1e-5 relative, with a floor of 1e-6 absolute for values that are nearly cancelling sums, and the
 weights to 1e-5. The KL and the terms made of it are differences of log-prob sums (about length x entropy nats per
 response) that float32 holds to about 1e-7 of their size: they are compared to 1e-5 of that size, not of their own
-(at the first iteration the policy is the reference and the KL is rounding alone).
+(at the first iteration the policy is the reference and the KL is rounding alone). The largest ratio is one token's,
+not an average: it is compared to 1e-5 x sqrt(N) relative, N the iteration's response tokens (tests/helpers.py states
+the rule, assert_rows_agree).
 Not compared: time/*, memory/* (it is what must differ) and policy/first_ratio_dev (the first micro-batch of rank 0,
 which is another micro-batch than the single process's first)."""
 
@@ -43,6 +45,7 @@ from helpers import (
     final_state,
     finished,
     launch,
+    make_args,
     read_rows,
     run_main,
     run_torchrun,
@@ -53,9 +56,12 @@ from helpers import (
 )
 from transformers import AutoConfig
 
-import grpo
-import ppo
+from rlhf_runtime import checkpoints
+from rlhf_runtime import processes as runtime_processes
+from rlhf_runtime.settings import RunSettings
 
+# Per script: what two processes must agree on is each algorithm's own math over the batch (its advantages, its
+# statistics, its models), which the runtime's gathers and means serve but do not make (dapo.py's: test_dapo.py).
 SCRIPTS = ["ppo.py", "grpo.py", "rloo.py"]
 
 
@@ -164,10 +170,10 @@ def test_the_defaults_run_under_torchrun_on_two_processes(script, tmp_path):
 
 
 @pytest.mark.parametrize("processes", [1, 2, 4, 8])
-@pytest.mark.parametrize("script", list(MODULES))
+@pytest.mark.parametrize("script", list(MODULES))  # each script's own defaults and validate (no model loads)
 def test_the_defaults_pass_the_checks_on_1_to_8_processes(script, processes, tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # a process other than rank 0 says nothing
-    args = MODULES[script].Args(output_dir=str(tmp_path / "run"), world_size=processes)
+    args = make_args(MODULES[script], output_dir=str(tmp_path / "run"), world_size=processes)
     MODULES[script].validate(args)  # a micro-batch past the per-process minibatch is one micro-batch
     assert args.micro_batch_size == MODULES[script].Args.micro_batch_size  # as given: never rewritten
 
@@ -230,7 +236,7 @@ def test_a_reward_that_fails_on_one_process_stops_them_all_together(tmp_path):
     assert result.returncode != 0, printed[-3000:]
     assert printed.count("the grading service went away") == 1, printed[-3000:]
     assert printed.count("stopped after iteration 1; to go on:\n  torchrun --nproc_per_node=2 ") == 1
-    assert grpo.checkpoint_problem(str(out / "checkpoint-1")) is None
+    assert checkpoints.checkpoint_problem(str(out / "checkpoint-1")) is None
     assert sorted(os.listdir(out / "checkpoint-1")) == TWO_PROCESS_CHECKPOINT
     assert json.load(open(out / "checkpoint-1" / "state.json"))["iteration"] == 1
 
@@ -293,7 +299,7 @@ def test_sigterm_to_torchrun_stops_every_process_of_a_run_whose_reward_hangs(tmp
     assert time.time() - start < 25, printed[-3000:]
     assert "SIGTERM: stopping to save a checkpoint" in printed
     assert "stopped after iteration 1" in printed
-    assert not grpo.checkpoint_problem(str(out / "checkpoint-1"))
+    assert not checkpoints.checkpoint_problem(str(out / "checkpoint-1"))
 
 
 def test_the_collectives_wait_twice_the_reward_timeout_and_a_checkpoint(monkeypatch):
@@ -304,14 +310,14 @@ def test_the_collectives_wait_twice_the_reward_timeout_and_a_checkpoint(monkeypa
     def init_process_group(backend, timeout):
         seen.append((backend, timeout))
 
-    monkeypatch.setattr(ppo.dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(runtime_processes.dist, "init_process_group", init_process_group)
     monkeypatch.setenv("WORLD_SIZE", "1")
     for reward_timeout in (600.0, 3.0, 0.0):
-        ppo.start_processes(ppo.Args(reward_timeout=reward_timeout))
-    assert ppo.CHECKPOINT_S >= 600
+        runtime_processes.start_processes(RunSettings(reward_timeout=reward_timeout))
+    assert runtime_processes.CHECKPOINT_S >= 600
     assert seen == [
-        ("gloo", datetime.timedelta(seconds=1200 + ppo.CHECKPOINT_S)),
-        ("gloo", datetime.timedelta(seconds=6 + ppo.CHECKPOINT_S)),
+        ("gloo", datetime.timedelta(seconds=1200 + runtime_processes.CHECKPOINT_S)),
+        ("gloo", datetime.timedelta(seconds=6 + runtime_processes.CHECKPOINT_S)),
         ("gloo", datetime.timedelta(days=7)),
     ]
 
@@ -320,19 +326,23 @@ def test_a_hung_rank_saves_on_both_within_the_collective_timeout(tmp_path):
     """Under torchrun the grader hangs on rank 1 only, at its second call: rank 1's alarm makes it a reward failure,
     and the stop reaches rank 0 too. Both save checkpoint-1 (the state before the hung rollout), and rank 0 names the
     timeout and prints the torchrun command that goes on. And the rule, with a checkpoint allowed 30 s (grpo.py copied
-    with CHECKPOINT_S = 30): rank 0 waits in the stop check's all_reduce for about --reward_timeout (3 s); the group's
-    36 s outlast that wait, and the run ends with the command that goes on, not with gloo's timeout. (One run for
-    what were two tests, test_a_reward_hung_on_one_process_stops_both_at_its_timeout and this one.)"""
-    project = tmp_path / "project"  # grpo.py beside the repository's assets and kernels
+    beside a copy of rlhf_runtime/ whose processes.py has CHECKPOINT_S = 30): rank 0 waits in the stop check's
+    all_reduce for about --reward_timeout (3 s); the group's 36 s outlast that wait, and the run ends with the command
+    that goes on, not with gloo's timeout. (One run for what were two tests,
+    test_a_reward_hung_on_one_process_stops_both_at_its_timeout and this one.)"""
+    project = tmp_path / "project"  # grpo.py and its runtime beside the repository's assets and kernels
     project.mkdir()
     for name in ("assets", "rlhf_kernels"):
         os.symlink(os.path.join(ROOT, name), project / name)
     script = str(project / "grpo.py")
-    shutil.copy(os.path.join(ROOT, "grpo.py"), script)
-    text = open(script).read()
+    shutil.copy(os.path.join(ROOT, "grpo.py"), script)  # a copy, not a link: python imports from the file's own folder
+    shutil.copytree(
+        os.path.join(ROOT, "rlhf_runtime"), project / "rlhf_runtime", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    timing = project / "rlhf_runtime" / "processes.py"
+    text = timing.read_text()
     assert "\nCHECKPOINT_S = 1200 " in text
-    with open(script, "w") as f:
-        f.write(text.replace("\nCHECKPOINT_S = 1200 ", "\nCHECKPOINT_S = 30 "))
+    timing.write_text(text.replace("\nCHECKPOINT_S = 1200 ", "\nCHECKPOINT_S = 30 "))
     out = tmp_path / "run"
     started = time.time()
     result = torchrun(script, out, *hangs_on_rank_1(tmp_path), "--reward_timeout=3")
@@ -343,5 +353,5 @@ def test_a_hung_rank_saves_on_both_within_the_collective_timeout(tmp_path):
     assert "is an error (TimeoutError: no answer within --reward_timeout 3 s)" in result.stderr, result.stderr[-3000:]
     assert "Timed out" not in result.stderr
     assert os.listdir(out / "checkpoint-1")
-    assert not grpo.checkpoint_problem(str(out / "checkpoint-1"))
+    assert not checkpoints.checkpoint_problem(str(out / "checkpoint-1"))
     assert time.time() - started < 120
