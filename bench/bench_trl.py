@@ -15,17 +15,18 @@ embeddings) with the embedded tokenizer, built here with save_pretrained, as pol
 Every process runs with one thread (--threads): on a shared 2-core machine two OpenMP threads swing by 8x from one
 second to the next (38 to 280 GFLOP/s on one 512 x 512 matmul loop), one thread by under 1.5x.
 
-The peer environments, outside the repository, from this repository's Python (the CPU build of torch first, so that
-pip does not fetch the CUDA build; tyro so that bench/trl_runner.py can import the scripts' rule reward,
-rlhf_runtime.rewards.REWARD_FNS):
+The peer environments, outside the repository: by default beside it (venv-trl116 and venv-trl112 in the folder that
+holds the repository), elsewhere with --peer_venvs FOLDER or the environment variable RLHF_BENCH_VENVS. Made from
+the Python that runs this repository, from its root, with the CPU build of torch first (so that pip does not fetch the
+CUDA build) and tyro (so that bench/trl_runner.py can import the scripts' rule reward, rlhf_runtime.rewards.REWARD_FNS):
 
-    /work/main/.venv/bin/python -m venv /work/venv-trl116
-    /work/venv-trl116/bin/pip install torch==2.13.0
-    /work/venv-trl116/bin/pip install --dry-run trl==1.16.0 transformers==5.25.0 tyro==1.0.17   # check: torch stays
-    /work/venv-trl116/bin/pip install trl==1.16.0 transformers==5.25.0 tyro==1.0.17
-    /work/main/.venv/bin/python -m venv /work/venv-trl112
-    /work/venv-trl112/bin/pip install torch==2.13.0
-    /work/venv-trl112/bin/pip install trl==1.12.0 transformers==5.25.0 tyro==1.0.17
+    python -m venv ../venv-trl116
+    ../venv-trl116/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    ../venv-trl116/bin/pip install --dry-run trl==1.16.0 transformers==5.25.0 tyro==1.0.17   # check: torch stays
+    ../venv-trl116/bin/pip install trl==1.16.0 transformers==5.25.0 tyro==1.0.17
+    python -m venv ../venv-trl112
+    ../venv-trl112/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    ../venv-trl112/bin/pip install trl==1.12.0 transformers==5.25.0 tyro==1.0.17
 
 Commands:
 
@@ -51,7 +52,7 @@ from compare_algorithms import ROOT, measured, report  # noqa: E402
 ALGORITHMS = {
     "ppo": dict(
         script="ppo.py",
-        venv="/work/venv-trl112",
+        venv="venv-trl112",
         trainer="trl.experimental.ppo.PPOTrainer (TRL 1.12.0)",
         task="reviews",
         rollout_batch_size=64,
@@ -65,7 +66,7 @@ ALGORITHMS = {
     ),
     "grpo": dict(
         script="grpo.py",
-        venv="/work/venv-trl116",
+        venv="venv-trl116",
         trainer="trl.GRPOTrainer (TRL 1.16.0)",
         task="arithmetic",
         rollout_batch_size=32,
@@ -79,7 +80,7 @@ ALGORITHMS = {
     ),
     "rloo": dict(
         script="rloo.py",
-        venv="/work/venv-trl116",
+        venv="venv-trl116",
         trainer="trl.RLOOTrainer (TRL 1.16.0)",
         task="reviews",
         rollout_batch_size=16,
@@ -92,6 +93,17 @@ ALGORITHMS = {
         ours_only=["--no_normalize_reward"],
     ),
 }
+
+# The folder that holds the peer environments (the venv names above): RLHF_BENCH_VENVS, else the folder that holds
+# the repository.
+PEER_VENVS = os.environ.get("RLHF_BENCH_VENVS") or os.path.dirname(ROOT)
+
+
+def peer_python(algorithm, peer_venvs=PEER_VENVS):
+    """The Python of the peer environment that runs TRL's side of this algorithm."""
+    return os.path.join(peer_venvs, ALGORITHMS[algorithm]["venv"], "bin", "python")
+
+
 # Where TRL's semantics differ from ours: (algorithm, what, ours, TRL, how it is aligned here). Read from the trainers'
 # source in the peer environments (trl/experimental/ppo/ppo_trainer.py of 1.12.0; trl/trainer/{grpo,rloo}_trainer.py
 # of 1.16.0).
@@ -323,7 +335,19 @@ def shared_flags(algorithm, policy, rm, iterations, response_length):
     ]
 
 
-def commands(algorithm, policy, rm, iterations, response_length, out, venv=None):
+def require_peer_pythons(algorithms, peer_venvs):
+    """Stops in one sentence, before any run, when a TRL environment is not where --peer_venvs says (a user who made
+    them elsewhere, or not yet)."""
+    for algorithm in algorithms:
+        python = peer_python(algorithm, peer_venvs)
+        if not os.path.exists(python):
+            raise SystemExit(
+                f"{python} does not exist: make the TRL environments as bench/bench_trl.py's docstring says, or name "
+                "the folder that holds them with --peer_venvs or RLHF_BENCH_VENVS."
+            )
+
+
+def commands(algorithm, policy, rm, iterations, response_length, out, peer_venvs=PEER_VENVS):
     """Our command and TRL's for one comparison: the shared flags, then each side's own."""
     c = ALGORITHMS[algorithm]
     flags = shared_flags(algorithm, policy, rm, iterations, response_length)
@@ -338,7 +362,7 @@ def commands(algorithm, policy, rm, iterations, response_length, out, venv=None)
         *c["ours_only"],
     ]
     trl = [
-        os.path.join(venv or c["venv"], "bin", "python"),
+        peer_python(algorithm, peer_venvs),
         os.path.join(ROOT, "bench", "trl_runner.py"),
         algorithm,
         "--output_dir",
@@ -455,12 +479,12 @@ for r in sorted((r for r in rows if r.key.startswith('## ')), key=lambda r: -r.c
 """
 
 
-def profile(algorithm, policy, rm, iterations, out, venv):
+def profile(algorithm, policy, rm, iterations, out, peer_venvs):
     """torch.profiler over one run of each side (loading included): the ops by self CPU time, and the labelled
     functions of PROFILED by total CPU time (a function called inside another counts in both)."""
     if algorithm != "ppo":
         raise SystemExit("--profile labels the phases of ppo.py and of TRL's PPO step only.")
-    cmds = commands(algorithm, policy, rm, iterations, 24, out, venv)
+    cmds = commands(algorithm, policy, rm, iterations, 24, out, peer_venvs)
     lines = []
     for side in ("ours", "trl"):
         name, entry, targets = PROFILED[side]
@@ -500,8 +524,12 @@ def main():
         "--repeats", type=int, help="runs of each side per comparison, alternating (default: 3 embedded, 2 random)"
     )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS / MKL_NUM_THREADS of every run")
-    p.add_argument("--venv_trl116", default="/work/venv-trl116", help="peer environment with trl==1.16.0 (GRPO, RLOO)")
-    p.add_argument("--venv_trl112", default="/work/venv-trl112", help="peer environment with trl==1.12.0 (PPO)")
+    p.add_argument(
+        "--peer_venvs",
+        default=PEER_VENVS,
+        help="the folder that holds the TRL environments venv-trl116 and venv-trl112 (default: RLHF_BENCH_VENVS, else "
+        "the folder that holds the repository)",
+    )
     p.add_argument("--runs", default="runs/bench_trl", help="where the runs (and the random models) are written")
     p.add_argument("--quick", action="store_true", help="smoke test: embedded models, 8 tokens, 3 iterations, 1 repeat")
     p.add_argument("--profile", metavar="ALGORITHM", help="instead: profile one run of each side (ppo only)")
@@ -514,9 +542,9 @@ def main():
         return
     os.environ["OMP_NUM_THREADS"] = str(a.threads)
     os.environ["MKL_NUM_THREADS"] = str(a.threads)
-    venvs = {"/work/venv-trl112": a.venv_trl112, "/work/venv-trl116": a.venv_trl116}
     names = ["embedded"] if a.quick else a.models.split(",")
     if a.profile:
+        require_peer_pythons([a.profile], a.peer_venvs)
         policy, rm = model_paths(a.profile_models, a.runs)
         profile(
             a.profile,
@@ -524,10 +552,12 @@ def main():
             rm,
             ITERATIONS[a.profile_models][a.profile],
             os.path.join(a.runs, "profile", a.profile_models),
-            venvs[ALGORITHMS[a.profile]["venv"]],
+            a.peer_venvs,
         )
         return
     sides = a.sides.split(",")
+    if "trl" in sides:
+        require_peer_pythons([*a.algorithms.split(","), "grpo"], a.peer_venvs)  # grpo's: the baseline below
     models = {m: model_paths(m, a.runs) for m in names}
     repeats = {m: 1 if a.quick else a.repeats or REPEATS[m] for m in models}
     response_length = 8 if a.quick else 24
@@ -540,7 +570,7 @@ def main():
         ("ours", sys.executable, "import torch, transformers, tyro; import ppo"),
         (
             "trl",
-            os.path.join(a.venv_trl116, "bin", "python"),
+            peer_python("grpo", a.peer_venvs),
             "import torch, transformers, trl; from trl import GRPOTrainer",
         ),
     ):
@@ -557,7 +587,7 @@ def main():
                 iterations,
                 response_length,
                 os.path.join(a.runs, m, alg),
-                venvs[ALGORITHMS[alg]["venv"]],
+                a.peer_venvs,
             )
             order = sides if r % 2 == 0 else sides[::-1]  # ABBA: each side goes first in every other repeat
             for side in order:

@@ -458,7 +458,7 @@ def test_smoke_run_of_our_side(tmp_path):
 
 
 @pytest.mark.skipif(
-    not os.path.exists("/work/venv-trl116/bin/python"),
+    not os.path.exists(bench_trl.peer_python("grpo")),
     reason="needs the peer environment with trl==1.16.0 (see bench/bench_trl.py)",
 )
 def test_smoke_run_against_trl(tmp_path):
@@ -467,6 +467,20 @@ def test_smoke_run_against_trl(tmp_path):
     assert rows["grpo"][5].startswith("**")
     assert rows["grpo"][5].endswith("x**")
     assert rows["grpo"][10] == "4, 4"  # both sides took 4 optimiser steps per iteration
+
+
+def test_a_missing_trl_environment_stops_in_one_sentence_before_any_run(tmp_path):
+    command = [sys.executable, os.path.join(ROOT, "bench", "bench_trl.py"), "--quick", "--algorithms=ppo"]
+    result = finished(
+        [*command, "--runs", str(tmp_path / "runs")], env={**os.environ, "RLHF_BENCH_VENVS": str(tmp_path / "envs")}
+    )
+    python = tmp_path / "envs" / "venv-trl112" / "bin" / "python"
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"{python} does not exist: make the TRL environments")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+    # the folder is the user's: --peer_venvs (or RLHF_BENCH_VENVS) names it, the commands are written from it
+    assert bench_trl.commands("grpo", "p", "r", 5, 24, "/tmp/x", "envs")["trl"][0] == "envs/venv-trl116/bin/python"
 
 
 # ---------------------------------------------------------------- bench/gpu_check.sh and bench/gpu_check.py
