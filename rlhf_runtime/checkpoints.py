@@ -115,6 +115,8 @@ def checkpoint_problem(path):
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return "its manifest.json is missing or damaged"
     for name, entry in manifest["files"].items():
+        if not isinstance(entry, dict) or "bytes" not in entry:  # a manifest edited by hand, or of another version
+            return f"its manifest.json gives no size for {name}"
         if not os.path.isfile(os.path.join(path, name)):
             return f"{name} is missing"
         if os.path.getsize(os.path.join(path, name)) != entry["bytes"]:
@@ -143,6 +145,32 @@ def resume_instead(path):
     return "no checkpoint beside it is whole, so start afresh in another --output_dir"
 
 
+def check_resume_path(path):
+    """--resume PATH: one sentence naming what to pass instead where path is not a whole checkpoint (a path that
+    does not exist, TRL's True, a run's folder, a checkpoint with a problem)."""
+    if not os.path.exists(path) and path.lower() == "true":  # TRL's resume_from_checkpoint=True: the newest one
+        raise SystemExit(f"--resume {path} is TRL's way to go on from the newest checkpoint; here it is --resume auto.")
+    if not os.path.exists(path):
+        raise SystemExit(
+            f"--resume '{path}' does not exist; pass a checkpoint's folder (checkpoint-N in a run's --output_dir), "
+            "or --resume auto for the newest one in --output_dir."
+        )
+    if checkpoints_in(path):  # the run's folder, not one of its checkpoints
+        newest = sound_checkpoints(path)
+        if not newest:
+            raise SystemExit(
+                f"--resume '{path}' is a run's folder, not a checkpoint, and none of its checkpoints is whole; "
+                "start afresh in another --output_dir."
+            )
+        raise SystemExit(
+            f"--resume '{path}' is a run's folder, not a checkpoint; pass --resume {newest[0]}, its newest whole "
+            f"checkpoint, or --resume auto with --output_dir {path}."
+        )
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise SystemExit(f"--resume '{path}' is not a whole checkpoint: {problem}; {resume_instead(path)}.")
+
+
 def find_checkpoint(args):
     """--resume checked before any model loads: a sound checkpoint of this script and these arguments, in a folder
     of its own run ('auto' stays, load_checkpoint taking the newest sound one that loads, or None where none is)."""
@@ -166,12 +194,10 @@ def find_checkpoint(args):
             print(f"--resume auto: resuming from {path}")
         elif say:
             print(f"--resume auto: no checkpoint in {args.output_dir}, starting afresh")
-    elif args.run.resume:  # a path: a whole checkpoint, or one sentence with the newest whole one beside it
+    elif args.run.resume:  # a path: a whole checkpoint, or one sentence naming what to pass instead
         args.run.resume = os.path.normpath(args.run.resume)
         path = args.run.resume
-        problem = checkpoint_problem(path)
-        if problem is not None:
-            raise SystemExit(f"--resume '{path}' is not a whole checkpoint: {problem}; {resume_instead(path)}.")
+        check_resume_path(path)
     if held and (not path or os.path.realpath(os.path.dirname(path)) != os.path.realpath(args.output_dir)):
         raise SystemExit(  # a new run, or a checkpoint from elsewhere, would mix with that run's
             f"--output_dir '{args.output_dir}' holds the checkpoints of a run (the newest: "
@@ -249,7 +275,8 @@ def load_shards(path, models, optimizers):
 
 def complete_checkpoint(tmp, path, args, state):
     """Rank 0: beside the shards, the log so far, the arguments, the state and a manifest (the script, each file's
-    size), flushed to disk; the folder renamed over a stale checkpoint-N; then the oldest and any save cut short go."""
+    size), flushed to disk; the folder renamed over a stale checkpoint-N; then any save cut short goes, and every
+    checkpoint older than the newest --keep_checkpoints whole ones (a damaged one is not counted among those)."""
     shutil.copy(os.path.join(args.output_dir, "metrics.jsonl"), tmp)
     pathlib.Path(tmp, "args.json").write_text(json.dumps(flat_options(args), indent=2))
     pathlib.Path(tmp, "state.json").write_text(json.dumps(state, indent=2))
@@ -262,7 +289,9 @@ def complete_checkpoint(tmp, path, args, state):
     os.rename(tmp, path)
     flush_to_disk(args.output_dir)  # the rename
     cut_short = list(pathlib.Path(args.output_dir).glob("checkpoint-*.tmp"))
-    for old in checkpoints_in(args.output_dir)[: -args.run.keep_checkpoints] + cut_short:
+    held = checkpoints_in(args.output_dir)  # oldest first, the one just saved (whole) among them
+    oldest_kept = sound_checkpoints(args.output_dir)[: args.run.keep_checkpoints][-1]
+    for old in held[: held.index(oldest_kept)] + cut_short:
         if os.path.islink(old):
             os.remove(old)  # a link goes, never what it points to
         else:

@@ -188,6 +188,8 @@ def check_common_args(args, responses_per_iteration):
         require(run, ("lora_target_modules",), rule, lambda v: all(any(n.endswith("." + t) for n in names) for t in v))
     for path in args.reward_model_path:
         check_model_path(path, "sequence classifier", "--reward_model_path")
+    if run.track and int(os.environ.get("RANK", 0)) == 0:  # rank 0 alone logs to wandb
+        check_wandb_login()
     existing = os.path.abspath(args.output_dir)
     while not os.path.exists(existing):  # its nearest existing folder, where it will be made
         existing = os.path.dirname(existing)
@@ -223,6 +225,39 @@ def check_model_path(path, kind, what):
     if problem:
         raise SystemExit(f"{what} '{path}' {problem}; pass a {kind} that save_pretrained wrote, with its tokenizer.")
     return config
+
+
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # what wandb's WANDB_MODE accepts
+
+
+def check_wandb_login():
+    """--track: WANDB_MODE one of wandb's modes and, where wandb logs online, an API key that it finds, looked up as
+    wandb.init does (the environment, the netrc file, its settings files) with no network and no prompt."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is not None and mode not in WANDB_MODES:  # wandb's own error is a pydantic traceback
+        raise SystemExit(
+            f"--track: WANDB_MODE is {mode!r}, not a mode of wandb; set it to online, offline (to log locally) or "
+            "disabled, or unset it."
+        )
+    from wandb.errors import AuthenticationError
+
+    try:  # wandb's own look-up, as of wandb 0.31; another version keeps wandb.init's own error
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib.wbauth import authenticate_session
+
+        settings = wandb_setup.singleton().settings  # the mode and the server, `wandb offline` included
+        if settings.mode in ("offline", "dryrun", "disabled"):  # no key needed
+            return
+        found = authenticate_session(host=settings.base_url, source="--track", prompt=False, update_session=False)
+    except (ImportError, TypeError):
+        return
+    except AuthenticationError as e:  # a key of the wrong form, or two ways of logging in at once
+        raise SystemExit(f"--track: wandb cannot use its credentials ({str(e).rstrip('.')}); correct them.") from None
+    if found is None:
+        raise SystemExit(
+            "--track: wandb finds no API key here (`wandb login` was never run on this machine); run `wandb login`, "
+            "set WANDB_API_KEY, or set WANDB_MODE=offline to log locally (`wandb sync` uploads the run later)."
+        )
 
 
 def flat_options(args):

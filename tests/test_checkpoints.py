@@ -1,7 +1,8 @@
 """Never losing a run (rlhf_runtime/checkpoints.py, written once for every script, run through the scripts): a run
 stopped by SIGTERM or Ctrl-C, or by a reward failing before its first step, in an evaluation or mid-run, and resumed
 with the command it printed writes the same log and the same weights, to its Adam states, as one never stopped; a kill
-during a save leaves the previous checkpoint; a damaged checkpoint is named and the one before taken; non-finite steps
+during a save leaves the previous checkpoint; a damaged checkpoint is named and the one before taken, and is not
+counted among those kept; a --resume that names no checkpoint says what to pass; non-finite steps
 are skipped and never saved; one run per folder (the lock, taken first); the same seed gives the same run; resumes
 that refuse other runs' or other arguments' checkpoints and allow what may change. What the runtime does alike for
 every script is shown once, on one script; what a checkpoint holds of each algorithm's own state, per script.
@@ -525,6 +526,81 @@ def test_a_state_of_another_iteration_than_its_name_is_refused(tmp_path):
     assert (
         checkpoints.checkpoint_problem(str(tmp_path / "checkpoint-3")) == "its name says iteration 3, its state.json 1"
     )
+
+
+def run_made_by_hand(folder, iterations):
+    """A folder of grpo.py's tiny run (tiny_args) holding a checkpoint completed by hand (no shards) for each
+    iteration, all kept."""
+    args = tiny_args("grpo.py", folder, keep_checkpoints=len(iterations))
+    folder.mkdir()
+    for iteration in iterations:
+        saved_by_hand(folder / f"checkpoint-{iteration}", iteration, args)
+    return folder
+
+
+def test_a_resume_that_names_no_checkpoint_says_what_to_pass(tmp_path):
+    """--resume given the run's folder (it once said "no checkpoint beside it is whole", which was false), a path that
+    does not exist, or TRL's True: one sentence naming what to pass instead, before anything is made."""
+    run = run_made_by_hand(tmp_path / "run", [1, 2])
+    missing = tmp_path / "no-such-run" / "checkpoint-3"
+    said = {
+        str(run): f"--resume '{run}' is a run's folder, not a checkpoint; pass --resume {run / 'checkpoint-2'}, its "
+        f"newest whole checkpoint, or --resume auto with --output_dir {run}.",
+        f"{run}/": f"--resume '{run}' is a run's folder, not a checkpoint; pass --resume {run / 'checkpoint-2'}, its "
+        f"newest whole checkpoint, or --resume auto with --output_dir {run}.",
+        str(missing): f"--resume '{missing}' does not exist; pass a checkpoint's folder (checkpoint-N in a run's "
+        "--output_dir), or --resume auto for the newest one in --output_dir.",
+        "True": "--resume True is TRL's way to go on from the newest checkpoint; here it is --resume auto.",
+    }
+    for given, sentence in said.items():
+        with pytest.raises(SystemExit) as refused:
+            set_up(grpo, tiny_args("grpo.py", tmp_path / "new", resume=given))
+        assert refused.value.code == sentence
+    cut_in_half(run / "checkpoint-2" / "state.json")  # its newest whole checkpoint is now checkpoint-1
+    with pytest.raises(SystemExit, match=f"; pass --resume {re.escape(str(run / 'checkpoint-1'))}, its newest whole"):
+        set_up(grpo, tiny_args("grpo.py", tmp_path / "new", resume=str(run)))
+    cut_in_half(run / "checkpoint-1" / "args.json")
+    with pytest.raises(SystemExit) as refused:
+        set_up(grpo, tiny_args("grpo.py", tmp_path / "new", resume=str(run)))
+    assert refused.value.code == (
+        f"--resume '{run}' is a run's folder, not a checkpoint, and none of its checkpoints is whole; start afresh in "
+        "another --output_dir."
+    )
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("entry", [{}, 17], ids=["no bytes", "a number"])
+def test_a_manifest_entry_without_its_size_is_skipped_with_a_line(entry, tmp_path, capsys):
+    """manifest.json's entry for state.json holds no size: --resume auto says so and takes the one before; named, the
+    checkpoint is refused in one sentence (it was a KeyError's traceback)."""
+    run = run_made_by_hand(tmp_path / "run", [1, 2])
+    manifest = json.loads((run / "checkpoint-2" / "manifest.json").read_text())
+    manifest["files"]["state.json"] = entry
+    (run / "checkpoint-2" / "manifest.json").write_text(json.dumps(manifest))
+    set_up(grpo, tiny_args("grpo.py", run, resume="auto"))
+    printed = capsys.readouterr().out
+    assert (
+        f"--resume auto: skipping {run / 'checkpoint-2'}: its manifest.json gives no size for state.json\n" in printed
+    )
+    assert f"--resume auto: resuming from {run / 'checkpoint-1'}\n" in printed
+    with pytest.raises(SystemExit) as refused:
+        set_up(grpo, tiny_args("grpo.py", tmp_path / "new", resume=str(run / "checkpoint-2")))
+    assert refused.value.code == (
+        f"--resume '{run / 'checkpoint-2'}' is not a whole checkpoint: its manifest.json gives no size for "
+        f"state.json; resume from {run / 'checkpoint-1'}, the newest whole checkpoint beside it."
+    )
+
+
+def test_a_damaged_checkpoint_is_not_counted_among_those_kept(tmp_path):
+    """A run's folder as found: checkpoints 1 and 4 damaged, 2 whole. The save of checkpoint-3 keeps the two newest
+    whole ones (--keep_checkpoints 2): 2 and 3 (by count, 3 and 4 were kept, one of them whole); checkpoint-1, older,
+    goes; checkpoint-4 stays, counted for nothing, until the run saves over it."""
+    run = run_made_by_hand(tmp_path / "run", [1, 2, 4])
+    cut_in_half(run / "checkpoint-1" / "state.json")
+    cut_in_half(run / "checkpoint-4" / "args.json")
+    saved_by_hand(run / "checkpoint-3", 3, tiny_args("grpo.py", run, keep_checkpoints=2))
+    assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-3", "checkpoint-4", "metrics.jsonl"]
+    assert checkpoints.sound_checkpoints(str(run)) == [str(run / "checkpoint-3"), str(run / "checkpoint-2")]
 
 
 GRPO_ONE_ITERATION = [

@@ -13,8 +13,9 @@ stops in one sentence naming the folder to copy.
 
 Bad options stop with one sentence before any model loads: the checks every script shares (rlhf_runtime) are tested
 once, on one script, and each script's own checks in each; a terminal gets a live progress bar and a log file lines;
-nothing opens a socket when every path is local, and --track without a reachable wandb logs offline; the fresh install
-imports (no local package shadows an installed one)."""
+nothing opens a socket when every path is local, and --track without a reachable wandb logs offline (without a wandb
+login, one sentence says so); a process under torchrun with stdout closed ends with its own exit code; the fresh
+install imports (no local package shadows an installed one)."""
 
 import importlib
 import importlib.metadata
@@ -25,6 +26,7 @@ import re
 import runpy
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import warnings
@@ -41,6 +43,7 @@ from helpers import (
     cli,
     finished,
     make_args,
+    read_rows,
     readme_files,
     run_main,
     script_command,
@@ -204,6 +207,53 @@ def test_computed_fields_are_not_options_and_trls_num_iterations_is_named(tmp_pa
     shown = capsys.readouterr().out
     assert "--total_episodes" in shown
     assert "--num_iterations" not in shown and "--world_size" not in shown
+
+
+def closed(*streams):
+    """A command prefix that runs a command with the given file descriptors closed, as `command >&- 2>&-` does."""
+    return ["sh", "-c", f'exec "$@" {" ".join(f"{fd}>&-" for fd in streams)}', "sh"]
+
+
+def torchrun_env():
+    """The environment torchrun gives its one process: what launch and start_processes read."""
+    with socket.socket() as s:  # a free port for the process group
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {
+        **ENV,
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": f"{port}",
+    }
+
+
+@pytest.mark.parametrize(
+    "argv,code,said",
+    [
+        (["--num_iterations=2"], 1, "--num_iterations (TRL's passes over each rollout) is --num_epochs here"),
+        (["--no_such_option=2"], 2, "Unrecognized options: --no_such_option=2"),  # tyro's own refusal
+    ],
+    ids=["refused", "refused by tyro"],
+)
+def test_a_refusal_under_torchrun_with_stdout_closed_exits_with_its_code(argv, code, said):
+    """Under torchrun (WORLD_SIZE set) with stdout closed (sys.stdout is None): the sentence on stderr and the
+    refusal's exit code, not an AttributeError's traceback and 1."""
+    result = finished([*closed(1), sys.executable, "grpo.py", *argv], env=torchrun_env())
+    assert result.returncode == code, result.stderr[-3000:]
+    assert said in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_run_under_torchrun_with_stdout_and_stderr_closed_ends_with_0(tmp_path):
+    """A run that finished and saved its policy exits with 0 under torchrun with stdout and stderr closed; torchrun
+    once reported it failed (exit 1)."""
+    args = tiny_run("grpo.py", total_episodes=8, response_length=6, eval_every=0)
+    result = finished([*closed(1, 2), *script_command("grpo.py", tmp_path, args)], env=torchrun_env())
+    assert result.returncode == 0
+    assert os.path.isfile(tmp_path / "model.safetensors")
+    assert [row["iteration"] for row in read_rows(tmp_path)] == [1]
 
 
 # ---------------------------------------------------------------- a script copied with rlhf_runtime/, or without
@@ -416,8 +466,11 @@ SHARED_BAD = [
     (dict(save_every=-1), "--save_every must be 0 \\(never\\) or more"),
     (dict(keep_checkpoints=0), "--keep_checkpoints must be at least 1"),
     (dict(max_bad_steps=0), "--max_bad_steps must be at least 1"),
-    (dict(resume="/nonexistent/checkpoint-3"), "is not a whole checkpoint: its manifest.json is missing or damaged"),
-    (dict(resume="/nonexistent/checkpoint-3.tmp"), "is not a whole checkpoint: its manifest.json is missing"),
+    (
+        dict(resume="/nonexistent/checkpoint-3"),
+        "--resume '/nonexistent/checkpoint-3' does not exist; pass a checkpoint",
+    ),
+    (dict(resume=f"{ROOT}/assets"), f"--resume '{re.escape(ROOT)}/assets' is not a whole checkpoint: its manifest"),
     (dict(minibatch_size=8, micro_batch_size=3), "must divide the per-process minibatch"),
     (dict(output_dir="/proc/no/such/run"), "--output_dir '/proc/no/such/run' cannot be created or written to"),
     # non-finite floats pass every comparison but "finite"; a seed past 9e12 overflows the generator's 64 bits
@@ -585,6 +638,67 @@ def test_track_on_a_node_without_network_logs_offline_for_a_later_sync(tmp_path)
     record = next(run.glob("run-*.wandb")).read_bytes()
     assert b"num_generations" in record
     assert b"objective/kl" in record
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """A new user's machine: a home with no netrc file and no wandb settings, no WANDB_ variable; wandb's settings
+    read afresh (wandb.teardown) before and after. Yields the environment of a script's run there (as helpers.ENV)."""
+    import wandb
+
+    for name in list(os.environ):
+        if name.startswith("WANDB_") or name in ("NETRC", "XDG_CONFIG_HOME"):
+            monkeypatch.delenv(name)
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)  # no wandb/settings of a working folder
+    wandb.teardown()
+    yield {k: v for k, v in os.environ.items() if k != "USE_HUB_KERNELS"}
+    wandb.teardown()
+
+
+def test_track_without_a_wandb_login_is_one_sentence_before_any_model_loads(tmp_path, no_wandb_login):
+    """wandb's own ending was a UsageError's traceback, after the models loaded."""
+    args = ["--track", *tiny_run("grpo.py", total_episodes=8)]
+    result = finished(script_command("grpo.py", tmp_path / "run", args), env=no_wandb_login)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "--track: wandb finds no API key here (`wandb login` was never run on this machine); run `wandb login`, set "
+        "WANDB_API_KEY, or set WANDB_MODE=offline to log locally (`wandb sync` uploads the run later)."
+    ]
+    assert not (tmp_path / "run").exists()  # nothing made, no model loaded
+
+
+KEY = "0123456789" * 4  # of the form of an API key (40 characters); never sent anywhere
+
+
+@pytest.mark.parametrize(
+    "variables,said",
+    [
+        (dict(WANDB_MODE="offline"), None),
+        (dict(WANDB_MODE="disabled"), None),
+        (dict(WANDB_API_KEY=KEY), None),
+        (dict(NETRC="{netrc}"), None),  # `wandb login`'s file
+        (dict(WANDB_MODE="online"), "--track: wandb finds no API key here"),
+        (dict(WANDB_MODE=""), "--track: WANDB_MODE is '', not a mode of wandb; set it to online, offline"),
+        (dict(WANDB_MODE="ofline"), "--track: WANDB_MODE is 'ofline', not a mode of wandb"),
+        (dict(WANDB_API_KEY="abc"), "--track: wandb cannot use its credentials (WANDB_API_KEY invalid: API key"),
+    ],
+    ids=["offline", "disabled", "key", "netrc", "online", "mode empty", "mode misspelt", "key too short"],
+)
+def test_the_wandb_check_passes_offline_or_with_a_key_and_names_a_bad_mode(
+    variables, said, tmp_path, no_wandb_login, monkeypatch
+):
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {KEY}\n")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value.format(netrc=netrc))
+    if said is None:
+        rlhf_runtime.settings.check_wandb_login()
+    else:
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            rlhf_runtime.settings.check_wandb_login()
 
 
 # ---------------------------------------------------------------- the fresh install
