@@ -396,7 +396,8 @@ def main(args):
     run.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models = build_models(args, tokenizer, device)
     models = {"policy": policy}
-    optimizers = {"policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)}
+    adamw = dict(eps=1e-5, weight_decay=0.0, fused=True)  # no weight decay (TRL, OpenRLHF): no signal, no change
+    optimizers = {"policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, **adamw)}
     all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
     if run.resume:  # the state: everything besides the model and optimiser that a resumed run needs
         state = runtime.load_checkpoint(args, models, optimizers)
@@ -436,24 +437,13 @@ def main(args):
         with torch.no_grad():
             score = torch.where(has_eos | args.mask_truncated, scores.raw, scores.raw - args.missing_eos_penalty)
 
-            # --- 4. group-relative advantages, one per response; the reference's log-probs for the KL term ---
+            # --- 4. group-relative advantages, one per response (the reference is read beside the policy, in step 5) --
             every_score = runtime.gather_rows({"score": score})["score"]  # (N,) every process's: --scale_rewards batch
             advantages = group_advantages(every_score, G, args.scale_rewards).chunk(run.world_size)[rank]  # (B,)
             group_std = score.view(-1, G).std(1, unbiased=False)  # (B / G,)
             zero_signal = zero_signal_groups(score, G)  # (B / G,)
             if args.drop_zero_signal_groups:
                 train_mask = train_mask * ~zero_signal.repeat_interleave(G)[:, None]  # (B, T)
-            if ref_policy is not None:
-                logprobs_ref = (
-                    runtime.in_chunks(
-                        lambda i, m, p: response_logprobs(ref_policy, i, m, p, args.temperature),
-                        args.micro_batch_size,
-                        input_ids,
-                        attention_mask,
-                        P,
-                    )
-                    * response_mask
-                )  # (B, T)
         clock.lap("score")
 
         # --- 5. optimise: epochs of shuffled global minibatches, each process taking its share, in micro-batches ---
@@ -466,12 +456,12 @@ def main(args):
             logprobs_old=logprobs_old,
             advantages=advantages,
         )
-        if ref_policy is not None:
-            rollout["logprobs_ref"] = logprobs_ref
         rollout = runtime.gather_rows(rollout)
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
+        seq_kl = torch.zeros(responses_per_iteration, device=device)  # (N,) log pi_old - log pi_ref, summed
+        kl_read = torch.zeros(responses_per_iteration, device=device)  # (N,) 1 where this process read the reference
         runtime.adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
-        for _epoch in range(args.num_epochs):
+        for epoch in range(args.num_epochs):
             perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
@@ -501,9 +491,18 @@ def main(args):
                     terms = {"policy/loss": pg_loss, "policy/entropy": entropy, "policy/clipfrac": pg_clipped}
                     if args.dual_clip:
                         terms["policy/dual_clipfrac"] = dual_clipped
-                    if ref_policy is not None:
-                        terms["policy/kl_term"] = kl_penalty(logprobs, micro["logprobs_ref"], args.kl_estimator, mask)
+                    if ref_policy is not None:  # on the same micro-batch: equal weights give equal log-probs, bit
+                        with (
+                            torch.no_grad()
+                        ):  # for bit, so an unchanged policy's KL term is exactly 0, its gradient too
+                            logprobs_ref = response_logprobs(
+                                ref_policy, micro["input_ids"], micro["attention_mask"], p, args.temperature
+                            )  # (micro, T')
+                        terms["policy/kl_term"] = kl_penalty(logprobs, logprobs_ref, args.kl_estimator, mask)
                         per_token = per_token + args.kl_coef * terms["policy/kl_term"]
+                        if epoch == 0:  # the dashboard's KL: nats per response, of the sampled tokens
+                            kl = (micro["logprobs_old"] - logprobs_ref) * micro["response_mask"]
+                            seq_kl[micro_idx], kl_read[micro_idx] = kl.sum(1), 1.0
                     weights = loss_weights(mask, args.loss_aggregation, args.response_length, mb_sequences, mb_tokens)
                     loss = (per_token * weights).sum()
                     loss.backward()  # under FSDP2, also sums the gradients over the processes
@@ -525,7 +524,7 @@ def main(args):
         m["health/zero_signal"] = m["adv/zero_signal_fraction"]  # of the groups drawn: all of them here
         m["adv/abs_mean"] = runtime.global_mean(advantages.abs())
         if ref_policy is not None:  # nats per response, as in ppo.py
-            m["objective/kl"] = runtime.global_mean(((logprobs_old - logprobs_ref) * response_mask).sum(1))
+            m["objective/kl"] = runtime.global_mean(seq_kl, kl_read)
             m["objective/kl_coef"] = args.kl_coef
 
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---

@@ -429,9 +429,10 @@ def main(args):
     run.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models, value_model = build_models(args, tokenizer, device)
     models = {"policy": policy, "value": value_model}
+    adamw = dict(eps=1e-5, weight_decay=0.0, fused=True)  # no weight decay (TRL, OpenRLHF): no signal, no change
     optimizers = {
-        "policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True),
-        "value": torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, eps=1e-5, fused=True),
+        "policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, **adamw),
+        "value": torch.optim.AdamW(value_model.parameters(), lr=args.value_learning_rate, **adamw),
     }
     all_models = [policy, ref_policy, *[rm for rm, _ in reward_models], value_model]
     if run.resume:  # the state: everything besides the models and optimisers that a resumed run needs
@@ -584,7 +585,7 @@ def main(args):
                 "val/mean": masked_mean(rollout["values_old"], valid).item(),
                 "adv/mean": masked_mean(rollout["raw_advantages"], valid).item(),
                 "adv/std": masked_var(rollout["raw_advantages"], valid).item() ** 0.5,
-                "health/zero_signal": float(runtime.global_mean((scores.raw - m["objective/score"]) ** 2) == 0),
+                "health/zero_signal": float((runtime.gather_rows({"s": scores.raw})["s"] == scores.raw[0]).all()),
             }
         )
 

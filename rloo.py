@@ -199,11 +199,11 @@ def rloo_advantages(rewards, k):
     return torch.where(zero_signal_groups(rewards, k)[:, None], 0.0, grouped - baseline).reshape(-1)
 
 
-def kl_shaped_rewards(scores, logprobs_old, logprobs_ref, response_mask, kl_coef):
+def kl_shaped_rewards(scores, logprobs, logprobs_ref, response_mask, kl_coef):
     """The reward of a whole response: its score minus beta times its KL to the reference, summed over its tokens
     (Ahmadian et al. 2024; ppo.py spreads the same sum over the tokens). scores (B,), the rest (B, T). Returns
     rewards (B,) and the KL (B,)."""
-    kl = ((logprobs_old - logprobs_ref) * response_mask).sum(1)  # (B,) nats per response
+    kl = ((logprobs - logprobs_ref) * response_mask).sum(1)  # (B,) nats per response
     return scores - kl_coef * kl, kl
 
 
@@ -417,7 +417,8 @@ def main(args):
     run.num_iterations = args.total_episodes // responses_per_iteration
     policy, ref_policy, reward_models = build_models(args, tokenizer, device)
     models = {"policy": policy}
-    optimizers = {"policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)}
+    adamw = dict(eps=1e-5, weight_decay=0.0, fused=True)  # no weight decay (TRL, OpenRLHF): no signal, no change
+    optimizers = {"policy": torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, **adamw)}
     all_models = [m for m in (policy, ref_policy, *[rm for rm, _ in reward_models]) if m is not None]
     if run.resume:  # the state: everything besides the model and optimiser that a resumed run needs
         state = runtime.load_checkpoint(args, models, optimizers)
@@ -463,23 +464,25 @@ def main(args):
 
             # --- 4. the reference's log-probs, the KL-shaped reward, leave-one-out advantages, one per response ---
             response_reward = score  # (B,) what the advantages compare: the score, or the KL-shaped score
-            if ref_policy is not None:
-                logprobs_ref = (
+            if ref_policy is not None and not args.kl_in_loss:  # in the loss, the reference is read in step 5
+                # the policy's own forward, not the sampler's rounding: read as the reference is, equal weights, KL 0
+                logprobs_now, logprobs_ref = [
                     runtime.in_chunks(
-                        lambda i, m, p: response_logprobs(ref_policy, i, m, p, args.temperature),
+                        lambda i, m, p, model=model: response_logprobs(model, i, m, p, args.temperature),
                         args.micro_batch_size,
                         input_ids,
                         attention_mask,
                         P,
                     )
                     * response_mask
-                )  # (B, T)
-                shaped, seq_kl = kl_shaped_rewards(score, logprobs_old, logprobs_ref, response_mask, args.kl_coef)
-                if not args.kl_in_loss:
-                    response_reward = shaped  # (B,)
+                    for model in (policy, ref_policy)
+                ]  # (B, T) each
+                response_reward, seq_kl = kl_shaped_rewards(
+                    score, logprobs_now, logprobs_ref, response_mask, args.kl_coef
+                )
             advantages = rloo_advantages(response_reward, G)  # (B,)
             group_std = response_reward.view(-1, G).std(1, unbiased=False)  # (B / G,)
-            zero_signal = zero_signal_groups(response_reward, G)  # (B / G,)
+            zero_signal = zero_signal_groups(score, G)  # (B / G,) judged on the score: the KL shaping is no signal
             if args.drop_zero_signal_groups:
                 train_mask = train_mask * ~zero_signal.repeat_interleave(G)[:, None]  # (B, T)
         clock.lap("score")
@@ -494,12 +497,13 @@ def main(args):
             logprobs_old=logprobs_old,
             advantages=advantages,
         )
-        if ref_policy is not None:
-            rollout["logprobs_ref"] = logprobs_ref
         rollout = runtime.gather_rows(rollout)
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
+        if args.kl_in_loss:  # the dashboard's KL, read beside the policy in step 5
+            seq_kl = torch.zeros(responses_per_iteration, device=device)  # (N,) log pi_old - log pi_ref, summed
+            kl_read = torch.zeros(responses_per_iteration, device=device)  # (N,) 1 where this process read it
         runtime.adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
-        for _epoch in range(args.num_epochs):
+        for epoch in range(args.num_epochs):
             perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
             for mb_start in range(0, responses_per_iteration, args.minibatch_size):
                 mb_idx = perm[mb_start : mb_start + args.minibatch_size]
@@ -531,9 +535,20 @@ def main(args):
                     terms = {"policy/loss": pg_loss, "policy/entropy": entropy, "policy/clipfrac": pg_clipped}
                     if args.dual_clip:
                         terms["policy/dual_clipfrac"] = dual_clipped
-                    if ref_policy is not None and args.kl_in_loss:
-                        terms["policy/kl_term"] = kl_penalty(logprobs, micro["logprobs_ref"], args.kl_estimator, mask)
+                    if (
+                        ref_policy is not None and args.kl_in_loss
+                    ):  # on the same micro-batch: equal weights give equal log-probs, bit
+                        with (
+                            torch.no_grad()
+                        ):  # for bit, so an unchanged policy's KL term is exactly 0, its gradient too
+                            logprobs_ref = response_logprobs(
+                                ref_policy, micro["input_ids"], micro["attention_mask"], p, args.temperature
+                            )  # (micro, T')
+                        terms["policy/kl_term"] = kl_penalty(logprobs, logprobs_ref, args.kl_estimator, mask)
                         per_token = per_token + args.kl_coef * terms["policy/kl_term"]
+                        if epoch == 0:  # the dashboard's KL: nats per response, of the sampled tokens
+                            kl = (micro["logprobs_old"] - logprobs_ref) * micro["response_mask"]
+                            seq_kl[micro_idx], kl_read[micro_idx] = kl.sum(1), 1.0
                     weights = loss_weights(mask, args.loss_aggregation, args.response_length, mb_sequences, mb_tokens)
                     loss = (per_token * weights).sum()
                     loss.backward()  # under FSDP2, also sums the gradients over the processes
@@ -556,9 +571,9 @@ def main(args):
         m["adv/abs_mean"] = runtime.global_mean(advantages.abs())
         m["objective/score_normalized"] = runtime.global_mean(score)
         if ref_policy is not None:  # the KL in nats per response, as in ppo.py
-            m["objective/kl"] = runtime.global_mean(seq_kl)
+            m["objective/kl"] = runtime.global_mean(seq_kl, kl_read if args.kl_in_loss else None)
             m["objective/kl_coef"] = args.kl_coef
-            m["objective/rlhf_reward"] = runtime.global_mean(scores.raw - args.kl_coef * seq_kl)
+            m["objective/rlhf_reward"] = m["objective/score"] - args.kl_coef * m["objective/kl"]
 
         # --- 7. held-out score, alarms for the classic failure modes, the log; 8. a checkpoint ---
         if held_out[0] and (iteration % run.eval_every == 0 or iteration == run.num_iterations):

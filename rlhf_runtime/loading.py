@@ -21,6 +21,8 @@ def load_model(model_class, path, run, device, trained, **kwargs):
 
         model.set_use_kernels(True, mode=Mode.TRAINING if trained else Mode.INFERENCE)
     model.requires_grad_(trained)
+    if model_class is AutoModelForCausalLM:  # the policy and its reference: equal weights, equal log-probs
+        model.get_output_embeddings().register_forward_pre_hook(contiguous_input)
     if run.mixed_precision and not dist.is_initialized():  # one process: autocast, as FSDP2's policy under torchrun
         model.forward = torch.autocast(torch.device(device).type, dtype=torch.bfloat16)(model.forward)
         for module in model.modules():
@@ -81,6 +83,12 @@ class AdaptersOff(torch.nn.Module):
     def forward(self, **inputs):
         with self.policy.disable_adapter():
             return self.policy(**inputs)
+
+
+def contiguous_input(head, args):
+    """The LM head's input made contiguous. On the strided slice logits_to_keep gives it, torch's matmul takes one
+    path for a trained head and another for a frozen one: contiguous, they agree bit for bit."""
+    return (args[0].contiguous(),)
 
 
 def load_reference(run, policy, device):
