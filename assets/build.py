@@ -40,7 +40,7 @@ Usage
 
 Layout written into ``--out`` (default: this folder)::
 
-    tiny-sft/   model.safetensors, config.json, generation_config.json, tokenizer files
+    tiny-sft/   model.safetensors, config.json, generation_config.json, tokenizer files (with CHAT_TEMPLATE)
     tiny-rm/    model.safetensors, config.json, tokenizer files
     reviews/train.jsonl, reviews/test.jsonl          {"prompt": ...}
     arithmetic/train.jsonl, arithmetic/test.jsonl    {"prompt": ..., "answer": ...}
@@ -77,6 +77,14 @@ EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 REVIEW_MAX_NEW = 24  # new-token budget for a review continuation (the longest grammar one is ~20)
 ARITH_MAX_NEW = 6  # "198" + EOS needs 4
+# The policy's chat template: messages rendered as the plain text it was trained on, so that data whose prompts are
+# messages (TRL's, verl's) trains as the same prompts written as text. Each message's content in order, nothing
+# between; an assistant's turn ends with EOS as every training text did; no generation prompt (the answer follows the
+# prompt directly). A system message's text stands before the user's: the policy never saw one.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
 
 # ----------------------------------------------------------------------------------------------
 # The reviews grammar and its lexicon
@@ -665,8 +673,9 @@ def build(cfg: Config, out: str, tiny: bool = False, log=print) -> dict:
     sft.generation_config = generation_config(tok)
     sft.save_pretrained(sft_dir, safe_serialization=True)
     rm.save_pretrained(rm_dir, safe_serialization=True)
-    for d in (sft_dir, rm_dir):
-        tok.save_pretrained(d)
+    tok.save_pretrained(rm_dir)  # the reward model reads plain text
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(sft_dir, save_jinja_files=False)  # the template inside tokenizer_config.json
     write_jsonl(os.path.join(out, "reviews", "train.jsonl"), [{"prompt": p} for p in corpora["review_train"]])
     write_jsonl(os.path.join(out, "reviews", "test.jsonl"), [{"prompt": p} for p in corpora["review_test"]])
     for split in ("train", "test"):

@@ -145,8 +145,8 @@ def read_rows(path, split, prompt_field="prompt", dataset_config=None):
 
 
 def load_prompts(path, split, run, tokenizer, reward_fn=()):
-    """A dataset's prompts tokenised once and its rows (dicts), every row checked before any model loads (the answers
-    too where a built-in rule of reward_fn, the --reward_fn specs, compares with them)."""
+    """A dataset's prompts tokenised once and its rows (dicts, each with every column), every row checked before any
+    model loads (the answers too where a built-in rule of reward_fn, the --reward_fn specs, compares with them)."""
     rows = read_rows(path, split, run.prompt_field, run.dataset_config)
     if len(rows) == 0:
         raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
@@ -185,9 +185,13 @@ def load_prompts(path, split, run, tokenizer, reward_fn=()):
         if re.search("[\ud800-\udfff]", str(prompt)):  # half of a UTF-16 pair, which no tokenizer reads
             raise SystemExit(f"row {n} of '{path}' holds a lone surrogate (half of a UTF-16 pair); fix its text.")
         if (chat or run.chat_template) and tokenizer.chat_template is None:
+            fix = "drop --chat_template"
+            if chat:  # the row holds messages, with --chat_template or without
+                fix = "store the prompts as text"
             raise SystemExit(
                 f"row {n} of '{path}' needs a chat template, but the tokenizer of "
-                f"'{run.model_name_or_path}' has none; save one with it, or drop --chat_template."
+                f"'{run.model_name_or_path}' has none; save one with it (tokenizer_config.json's chat_template), "
+                f"or {fix}."
             )
         if isinstance(prompt, str) and run.chat_template:  # --chat_template: the text as a user's turn
             prompt = [{"role": "user", "content": prompt}]
@@ -208,6 +212,8 @@ def load_prompts(path, split, run, tokenizer, reward_fn=()):
         prompts = [p[-run.max_prompt_length :] for p in prompts]
     if min(map(len, prompts)) == 0:  # text the tokenizer makes nothing of
         raise SystemExit(f"row {[len(p) for p in prompts].index(0) + 1} of '{path}' is a prompt of no tokens; drop it.")
+    columns = dict.fromkeys(key for row in rows for key in row)  # the data's columns, in the order first seen
+    rows = [{**dict.fromkeys(columns), **row} for row in rows]  # each in every row, None where absent, as datasets
     return prompts, rows
 
 

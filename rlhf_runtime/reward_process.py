@@ -3,6 +3,7 @@ a stop kills whole, and is called in the form it was written for (this project's
 guarantee: a hung or crashing grader never hangs or kills the trainer, and it ends with the trainer however that ends.
 """
 
+import asyncio
 import functools
 import hashlib
 import importlib.util
@@ -94,9 +95,19 @@ class RewardProcess:
 @functools.cache  # read once: the file may be edited or replaced while the run goes on
 def reward_process_code():
     """The reward process's program: the functions of this file that it runs, as they were when the run began."""
-    imports = "import hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil, signal, sys"
-    imports += ", types"
-    shipped = (reward_module, resolve_reward_fn, reward_form, reward_reply, call_in_form, call_with, serve_rewards)
+    imports = "import asyncio, hashlib, importlib.util, inspect, multiprocessing.connection, os, pathlib, pkgutil"
+    imports += ", signal, sys, types"
+    shipped = (
+        reward_module,
+        resolve_reward_fn,
+        package_spec,
+        reward_form,
+        reward_reply,
+        call_in_form,
+        call_with,
+        finished,
+        serve_rewards,
+    )
     return "\n".join([imports, *map(inspect.getsource, shipped)])
 
 
@@ -123,10 +134,14 @@ def resolve_reward_fn(spec):
         else:
             module = pkgutil.resolve_name(where)
     except BaseException as e:  # sys.exit() at import too
-        return None, (
-            f"'{where}' could not be loaded ({type(e).__name__}: {e}); fix it, or check the module's name and that it "
-            "is importable from here."
-        )
+        failure = f"'{where}' could not be loaded ({type(e).__name__}: {e})"
+        if where.endswith(".py") and isinstance(e, ImportError) and "relative import" in str(e):
+            module, top = package_spec(where)  # a file of a package, importing its neighbours as .name
+            return None, (
+                f"{failure}: it is a module of a package; pass --reward_fn {module}:{name}, with the folder that "
+                f"holds {top}/ on PYTHONPATH."
+            )
+        return None, f"{failure}; fix it, or check the module's name and that it is importable from here."
     fn = getattr(module, name, None)
     if not callable(fn):
         return None, f"'{where}' has no function '{name}'; name one it defines."
@@ -140,9 +155,22 @@ def resolve_reward_fn(spec):
     return fn, form
 
 
+def package_spec(path):
+    """A file's module name within its package (the folders above it with an __init__.py, at least its own folder),
+    and the package's top folder: pkg/sub/rules.py gives ("pkg.sub.rules", "pkg")."""
+    file = pathlib.Path(os.path.realpath(path))
+    parts = [file.parent.name, file.stem]
+    folder = file.parent
+    while (folder.parent / "__init__.py").exists():
+        folder = folder.parent
+        parts.insert(0, folder.name)
+    return ".".join(parts), folder.name
+
+
 def reward_form(fn):
     """Whose convention fn is written in, told by its arguments' names: verl's names solution_str, OpenRLHF's
-    queries, TRL's completions (or takes keywords alone), this project's fn(responses, answers); None: no one's."""
+    queries, TRL's completions (or takes keywords alone: a decorator's wrapper(*args, **kwargs) too), this project's
+    fn(responses, answers); None: no one's."""
     try:
         arguments = inspect.signature(fn).parameters
     except ValueError:  # a callable whose signature cannot be read (a builtin): taken as this project's
@@ -151,7 +179,8 @@ def reward_form(fn):
         return "verl's"
     if "queries" in arguments:
         return "OpenRLHF's"
-    if "completions" in arguments or [a.kind for a in arguments.values()] == [inspect.Parameter.VAR_KEYWORD]:
+    kinds = {a.kind for a in arguments.values()} - {inspect.Parameter.VAR_POSITIONAL}
+    if "completions" in arguments or kinds == {inspect.Parameter.VAR_KEYWORD}:  # fn(**kwargs), wrapper(*args, **kwargs)
         return "TRL's"
     try:
         inspect.signature(fn).bind(["a response"], ["its answer"])
@@ -161,46 +190,67 @@ def reward_form(fn):
 
 
 def reward_reply(fn, form, batch):
-    """fn called in its form on batch as ("scores", a float or None each: a generator consumed here), ("returned",
-    the type's name) when that is not a sequence of scores, or ("raised", "Type: message")."""
+    """fn called in its form on batch as ("scores", (a float or None each, {extra_logs key: a float each})), a
+    generator consumed here; ("returned", what it was) when not a score each, or ("raised", "Type: message")."""
+    n = len(batch["responses"])
     try:
-        got = call_in_form(fn, form, batch)
+        got, extra_logs = call_in_form(fn, form, batch)
         if not hasattr(got, "__iter__") or isinstance(got, (str, bytes, dict)):
-            return "returned", type(got).__name__
-        return "scores", [None if x is None else float(x) for x in got]
+            return "returned", f"a {type(got).__name__}"
+        logs = {}
+        for key, values in extra_logs.items():  # a number for the batch (a 0-d tensor), or one per response
+            if hasattr(values, "tolist"):  # a tensor or an array
+                values = values.tolist()
+            if not isinstance(values, (list, tuple)):
+                values = [values] * n
+            if len(values) != n:
+                return "returned", f"extra_logs['{key}'] of {len(values)} values"
+            logs[key] = [float(x) for x in values]
+        return "scores", ([None if x is None else float(x) for x in got], logs)
     except BaseException as e:  # sys.exit() or KeyboardInterrupt in reward code too: a failure, never the run's exit
         return "raised", f"{type(e).__name__}: {e}"
 
 
 def call_in_form(fn, form, batch):
-    """fn's answer for batch (score_responses'), called as the project whose form it is calls it."""
+    """fn's scores for batch (score_responses'), called as the project whose form it is calls it, and the metrics it
+    asks to log (OpenRLHF's extra_logs; {} in the other forms)."""
     if form == "TRL's":  # as TRL's GRPOTrainer: the prompts as the data holds them, a chat's completions as messages
+        # every column of the data, None where a row has none (load_prompts gives every row each column)
         columns = {key: [row.get(key) for row in batch["columns"]] for key in batch["columns"][0]}
         completions = batch["responses"]
         if isinstance(batch["prompts"][0], list):
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         trainer_state = types.SimpleNamespace(global_step=batch["step"], max_steps=batch["max_steps"])
         given = dict(prompts=batch["prompts"], completions=completions, completion_ids=batch["completion_ids"])
-        return call_with(fn, {**columns, **given, "trainer_state": trainer_state})
+        return call_with(fn, {**columns, **given, "trainer_state": trainer_state}), {}
     if form == "verl's":  # each response alone, as verl's reward manager: a number, or a dict with it as "score"
         scores = []
         for text, answer, row in zip(batch["responses"], batch["answers"], batch["columns"]):
             given = dict(solution_str=text, ground_truth=answer, extra_info=row.get("extra_info"))
             got = call_with(fn, {"data_source": row.get("data_source"), **given})
             scores.append(got["score"] if isinstance(got, dict) else got)
-        return scores
-    if form == "OpenRLHF's":  # a tensor, a list, or a dict with them as "rewards"
+        return scores, {}
+    if form == "OpenRLHF's":  # a tensor, a list, or a dict with them as "rewards" and its metrics as "extra_logs"
         got = call_with(fn, dict(queries=batch["queries"], prompts=batch["prompt_texts"], labels=batch["answers"]))
-        return got["rewards"] if isinstance(got, dict) else got
-    return fn(batch["responses"], batch["answers"])
+        if isinstance(got, dict):
+            return got["rewards"], got.get("extra_logs", {})
+        return got, {}
+    return finished(fn(batch["responses"], batch["answers"])), {}
 
 
 def call_with(fn, given):
-    """fn(**given), leaving out the keywords it does not take, unless it takes **kwargs."""
+    """fn(**given), leaving out the keywords it does not take, unless it takes **kwargs; an async def's awaited."""
     arguments = inspect.signature(fn).parameters
     if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in arguments.values()):
         given = {key: value for key, value in given.items() if key in arguments}
-    return fn(**given)
+    return finished(fn(**given))
+
+
+def finished(got):
+    """A function's answer: a coroutine (an async def's, which TRL's trainers await) run to its end first."""
+    if inspect.iscoroutine(got):
+        return asyncio.run(got)
+    return got
 
 
 def serve_rewards(fd):

@@ -36,7 +36,7 @@ class Scores:
     """What score_responses returns for a batch of B responses."""
 
     raw: torch.Tensor  # (B,) the reward models' minimum plus the rules' weighted sum, failed rewards replaced
-    metrics: dict  # {metric key: (B,)} the rules' weighted sum, and each rule's scores when there are several
+    metrics: dict  # {metric key: (B,)} the rules' weighted sum, each rule's scores when there are several, their logs
     texts: list  # the responses as text
     failed: int  # how many responses' rewards failed
 
@@ -66,6 +66,7 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
     rules = {}  # {name: (B,) its scores, nan where it failed}
     scored = {}  # {name: (B,) False where it returned None}
     failures = []  # ((B,) scores, why) of each rule, why None where nothing failed
+    logged = {}  # {metric key: (B,)} what a rule asks to log (OpenRLHF's extra_logs), as OpenRLHF logs it
     real = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]  # each prompt and response, unpadded
     lengths = attention_mask[:, P:].sum(1).tolist()  # (B,) each response's tokens
     batch = dict(  # what a reward function may read, B of each: reward_reply passes what its form takes
@@ -81,7 +82,10 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
     )
     for spec, fn in scorer.reward_fns:
         name = spec.rpartition(":")[2]
-        got, why = call_reward_fn(fn, batch, args.run.reward_timeout, stops)
+        logs = {}
+        got, why = call_reward_fn(fn, batch, args.run.reward_timeout, stops, logs)
+        for key, values in logs.items():  # nan where it gave none: the dashboard's mean leaves it out
+            logged[f"reward/{name}/{key}"] = torch.tensor(values, device=input_ids.device)
         scored[name] = torch.tensor([x is not None for x in got], device=input_ids.device)
         rules[name] = torch.tensor([float("nan") if x is None else x for x in got], device=input_ids.device)
         if why is not None and len(scorer.reward_fns) > 1:  # which rule failed
@@ -105,7 +109,7 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
     if len(rules) > 1:  # nan where a rule returned None: each mean is over the responses it scored
         for name, x in rules.items():
             metrics[f"reward/{name}"] = torch.where(scored[name], x.nan_to_num(0.0), float("nan"))
-    return Scores(score, metrics, texts, failed)
+    return Scores(score, {**metrics, **logged}, texts, failed)
 
 
 def keep_rows(rounds, order, metrics, failed, tokenizer, world_size, rank):
@@ -203,12 +207,17 @@ def reward_call(reward_fn, batch, timeout, stops):
     return reward_reply(reward_fn, "this project's", batch)
 
 
-def call_reward_fn(reward_fn, batch, timeout, stops=None):
+def call_reward_fn(reward_fn, batch, timeout, stops=None, logs=None):
     """A rule's scores on batch (score_responses'), None where it does not apply, nan where it gave none, and why it
-    failed (None when nothing did). When the batch's call raises, each response is scored alone until a timeout or a
-    stop, so that the error is pinned on one."""
+    failed (None when nothing did); logs (a dict) gets what it asks to log, {key: a value each, nan where none}. When
+    the batch's call raises, each response is scored alone until a timeout or a stop, so that the error is pinned."""
     n = len(batch["responses"])
+    if logs is None:
+        logs = {}
     kind, got = reward_call(reward_fn, batch, timeout, stops)
+    if kind == "scores":
+        got, extra_logs = got
+        logs.update(extra_logs)
     if kind != "raised":
         return checked_scores(kind, got, n, "the batch's call")
     scores = [float("nan")] * n
@@ -216,6 +225,10 @@ def call_reward_fn(reward_fn, batch, timeout, stops=None):
     for i in range(n):
         alone = {key: x[i : i + 1] if isinstance(x, list) else x for key, x in batch.items()}
         kind, got_alone = reward_call(reward_fn, alone, timeout, stops)
+        if kind == "scores":
+            got_alone, extra_logs = got_alone
+            for key, values in extra_logs.items():
+                logs.setdefault(key, [float("nan")] * n)[i] = values[0]
         score, why = checked_scores(kind, got_alone, 1, "its call alone")
         scores[i] = score[0]
         if first is None:
@@ -242,7 +255,7 @@ def checked_scores(kind, got, n, call):
     if kind == "raised":
         return failed, f"an error ({got})"
     if kind == "returned":  # one float per response, nothing else
-        return failed, f"nan: {call} returned a {got} for {n} responses"
+        return failed, f"nan: {call} returned {got} for {n} responses"
     if len(got) != n:
         return failed, f"nan: {call} returned {len(got)} scores for {n} responses"
     given = [x for x in got if x is not None]  # None: "does not apply", as in TRL
@@ -255,27 +268,36 @@ def checked_scores(kind, got, n, call):
 
 
 def answer_of(row, field):
-    """A row's --answer_field: a column, or a dotted path into nested ones (verl's reward_model.ground_truth)."""
+    """A row's --answer_field: the column of that name, else a dotted path into nested ones (verl's
+    reward_model.ground_truth, which a csv or datasets' flatten() of its data names a column)."""
+    if field in row:
+        return row[field]
     for key in field.split("."):
         row = row.get(key) if isinstance(row, dict) else None
     return row
 
 
 def check_reward_columns(reward_fns, rows, path, prompt_field, answer_field):
-    """Your functions against the data's columns (its first row's), before any model loads: a TRL function's keywords
-    and columns, and a warning where yours takes answers and no row has one."""
+    """Your functions against the data's columns (load_prompts gives every row each), before any model loads: a TRL
+    function's keywords and columns, and a warning where yours takes answers and no row has one."""
     columns = [key for key in rows[0] if key != prompt_field]
     for spec, fn in reward_fns:
         if not isinstance(fn, RewardProcess):  # a built-in: load_prompts checks each row's answer
             continue
         if fn.form == "TRL's":
             keywords = ["prompts", "completions", "completion_ids", "trainer_state"]
-            named = [c for c in columns if c in keywords] + [a for a in fn.required if a not in columns + keywords]
-            if named:
+            clash = [c for c in columns if c in keywords]
+            if clash:
                 raise SystemExit(
-                    f"--reward_fn {spec} is in TRL's form, which passes the keywords {', '.join(keywords)} and "
-                    f"each column of '{path}' ({', '.join(columns)}) by name: '{named[0]}' is either both or "
-                    "neither; rename the column or the argument."
+                    f"'{path}' has a column '{clash[0]}', but --reward_fn {spec} is in TRL's form, which passes "
+                    f"{', '.join(keywords)} itself; rename the column."
+                )
+            missing = [a for a in fn.required if a not in columns + keywords]
+            if missing:
+                raise SystemExit(
+                    f"--reward_fn {spec} (TRL's form) takes '{missing[0]}', but '{path}' has no column of that name "
+                    f"(its columns besides the prompts: {', '.join(columns) or 'none'}); pass data with that "
+                    "column, or give the argument a default."
                 )
         elif all(answer_of(row, answer_field) is None for row in rows):
             warnings.warn(

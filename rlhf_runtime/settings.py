@@ -40,7 +40,8 @@ class RunSettings:
     chat_template: bool = False
     """render each text prompt as one user message through the tokenizer's chat template (chat messages always are)"""
     answer_field: str = "answer"
-    """the column of the reference answers (for the rules); a.b reads a nested one (verl's reward_model.ground_truth)"""
+    """the column of the reference answers (for the rules): a column of that name, else a.b reads a nested one (verl's
+    reward_model.ground_truth)"""
     max_prompt_length: int = 64
     """longest prompt in tokens"""
     truncate_prompts: bool = False

@@ -14,7 +14,18 @@ import sys
 import pytest
 import torch
 
-from assets.build import EOS, PAD, Config, all_problems, make_corpora, make_review, review_pairs, sentiment
+from assets.build import (
+    CHAT_TEMPLATE,
+    EOS,
+    PAD,
+    Config,
+    all_problems,
+    make_corpora,
+    make_review,
+    review_pairs,
+    sentiment,
+)
+from rlhf_runtime.data import stop_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "assets")
@@ -127,6 +138,28 @@ def test_tokenizer_round_trips_task_text(assets):
     assert tok("the plot was dull ." + EOS, add_special_tokens=False)["input_ids"][-1] == tok.eos_token_id
     # Digits are single tokens so that arithmetic is column-wise.
     assert len(tok("1234567890", add_special_tokens=False)["input_ids"]) == 10
+
+
+def test_the_chat_template_renders_a_users_message_as_the_plain_prompt_the_policy_was_trained_on(assets):
+    """TRL's and verl's data hold prompts as messages: each prompt of both tasks as one user message renders to the
+    prompt's own text and tokens; a conversation is its contents in order, an assistant's turn ended by EOS as every
+    training text was; the end of turn adds no stop token (EOS alone ends a response)."""
+    tok, _, _ = assets
+    assert tok.chat_template == CHAT_TEMPLATE
+    rows = read_jsonl("arithmetic/train.jsonl") + read_jsonl("arithmetic/test.jsonl") + read_jsonl("reviews/test.jsonl")
+    for prompt in [r["prompt"] for r in rows]:
+        messages = [{"role": "user", "content": prompt}]
+        assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == prompt
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        assert ids == tok(prompt, add_special_tokens=False)["input_ids"]
+    turns = [
+        {"role": "system", "content": "be brief "},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2="},
+    ]
+    assert tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False) == f"be brief 1+1=2{EOS}2+2="
+    assert stop_token_ids(tok, SFT).tolist() == [tok.eos_token_id]
 
 
 def generate(tok, model, prompts, max_new_tokens, seed):
@@ -271,6 +304,13 @@ def test_tiny_build_runs_end_to_end(tmp_path):
     ):
         assert (tmp_path / name).exists(), name
     check_loaded(*load(str(tmp_path / "tiny-sft"), str(tmp_path / "tiny-rm")))
+    # the shipped tokenizer settings are the build's, its chat template with them; the reward model's has none
+    configs = {}
+    for name in ("tiny-sft", "tiny-rm"):
+        configs[name] = (tmp_path / name / "tokenizer_config.json").read_text()
+        assert configs[name] == open(os.path.join(ASSETS, name, "tokenizer_config.json")).read(), name
+    assert json.loads(configs["tiny-sft"])["chat_template"] == CHAT_TEMPLATE
+    assert "chat_template" not in json.loads(configs["tiny-rm"])
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["tiny"] is True
     assert report["total_bytes"] > 0

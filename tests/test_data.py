@@ -14,12 +14,13 @@ import warnings
 
 import pytest
 import torch
-from helpers import ROOT, args_for, make_args
+from helpers import ROOT, args_for, make_args, run_main, tiny_run, without_timing
 from transformers import AutoTokenizer
 
 import grpo
 import ppo
 from rlhf_runtime.data import held_out_dataset, load_prompts, load_task, read_rows
+from rlhf_runtime.rewards import answer_of
 from rlhf_runtime.settings import RunSettings
 
 POLICY = os.path.join(ROOT, "assets", "tiny-sft")
@@ -333,6 +334,78 @@ def test_a_rule_reward_needs_answers(tmp_path):
         SystemExit, match="--reward_fn arithmetic needs an answer column, but row 1 of .*reviews/train.jsonl"
     ):
         load_prompts(reviews, "train", args.run, tokenizer, args.reward_fn)
+
+
+# ---------------------------------------------------------------- columns as named, prompts as messages
+
+
+def test_an_answer_column_named_with_a_dot_is_read_as_named_and_else_as_a_nested_path(tmp_path):
+    """A csv of verl's data, or datasets' flatten() of it, names a column reward_model.ground_truth: before, the
+    built-in rule refused it in a sentence that listed it among the row's columns. A column of that name wins over
+    the nested path; without one, the path is read."""
+    data = tmp_path / "train.csv"
+    data.write_text("prompt,reward_model.ground_truth\n1+1=,2\n2+2=,4\n")
+    run = RunSettings(answer_field="reward_model.ground_truth")
+    tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
+    _, rows = load_prompts(str(data), "train", run, tokenizer, ("arithmetic",))
+    assert [answer_of(row, run.answer_field) for row in rows] == ["2", "4"]
+    nested = {"prompt": "1+1=", "reward_model": {"style": "rule", "ground_truth": "2"}}
+    assert answer_of(nested, run.answer_field) == "2"
+    assert answer_of({**nested, "reward_model.ground_truth": "3"}, run.answer_field) == "3"
+    assert answer_of(nested, "reward_model.missing") is None
+
+
+def test_every_row_holds_every_column_of_the_data_as_datasets_reads_it(tmp_path):
+    """A .jsonl whose later row has a column the first lacks: every row holds it, None where absent, as datasets
+    reads the file (TRL's functions get each column for every row; before, the first row's columns alone)."""
+    import datasets
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "level": 3, "answer": "4"}\n')
+    tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
+    _, rows = load_prompts(str(data), "train", RunSettings(), tokenizer)
+    assert rows == [{"prompt": "1+1=", "answer": "2", "level": None}, {"prompt": "2+2=", "answer": "4", "level": 3}]
+    assert rows == list(datasets.load_dataset("json", data_files=str(data), split="train"))
+
+
+@pytest.mark.parametrize(
+    "prompt, chat_template, fix",
+    [
+        ([{"role": "user", "content": "1+1="}], False, "store the prompts as text"),
+        ([{"role": "user", "content": "1+1="}], True, "store the prompts as text"),
+        ("1+1=", True, "drop --chat_template"),
+    ],
+)
+def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix_that_applies(prompt, chat_template, fix, tmp_path):
+    """Before, a user whose data held messages was told to drop a --chat_template they never passed."""
+    tokenizer = AutoTokenizer.from_pretrained(POLICY, padding_side="left")
+    tokenizer.chat_template = None  # a model saved without one
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": prompt, "answer": "2"}) + "\n")
+    run = RunSettings(chat_template=chat_template)
+    with pytest.raises(SystemExit) as refused:
+        load_prompts(str(data), "train", run, tokenizer)
+    assert str(refused.value) == (
+        f"row 1 of '{data}' needs a chat template, but the tokenizer of '{run.model_name_or_path}' has none; save "
+        f"one with it (tokenizer_config.json's chat_template), or {fix}."
+    )
+
+
+def test_prompts_as_messages_train_the_embedded_policy_as_the_same_prompts_as_text(tmp_path):
+    """TRL's and verl's data hold each prompt as a user's message: the embedded policy's chat template renders it as
+    the plain prompt it was trained on, so grpo.py's run is bitwise the run on the text (before: refused, the
+    tokenizer had no chat template)."""
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "assets", "arithmetic", "train.jsonl"))][:64]
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chat = tmp_path / "chat.jsonl"
+    as_messages = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    chat.write_text("".join(json.dumps(r) + "\n" for r in as_messages))
+    common = tiny_run("grpo.py", total_episodes=16, eval_every=0)  # two iterations
+    on_text, _ = run_main("grpo.py", tmp_path / "text", f"--dataset={text}", *common)
+    on_messages, _ = run_main("grpo.py", tmp_path / "chat", f"--dataset={chat}", *common)
+    assert len(on_messages) == 2
+    assert without_timing(on_messages) == without_timing(on_text)
 
 
 # ---------------------------------------------------------------- the held-out set

@@ -477,7 +477,8 @@ def test_a_response_ends_at_any_stop_token():
     ],
 )
 def test_bad_chat_input_is_refused_in_one_sentence(tmp_path, prompt, chat_template, message):
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))  # no chat template
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-sft"))
+    tokenizer.chat_template = None  # a tokenizer saved without one (the embedded one has one)
     path = write_rows(tmp_path / "bad.jsonl", [{"prompt": "fine"}, {"prompt": prompt}])
     with pytest.raises(SystemExit, match=message):
         load_prompts(path, "train", RunSettings(chat_template=chat_template), tokenizer)

@@ -303,16 +303,68 @@ def reward_func(queries, prompts, labels):
 """
 
 
+# As TRL's trainers call them: an async def awaited, and the usual decorator's wrapper(*args, **kwargs) called with
+# TRL's keywords (before: the coroutine was "returned a coroutine", the wrapper called as fn(responses, answers)).
+AWAITED_AND_WRAPPED = """
+import asyncio
+
+async def trl_async(completions, answer, **kwargs):
+    await asyncio.sleep(0)
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
+
+def logged(fn):  # without functools.wraps: the signature read is the wrapper's
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+@logged
+def trl_wrapped(completions, answer, **kwargs):
+    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]
+"""
+
+
 def test_functions_in_trl_verl_and_openrlhf_forms_train_bitwise_as_the_same_rule_in_this_projects(tmp_path):
-    (tmp_path / "forms.py").write_text(FORMS + SAME_AS_ARITHMETIC)
+    (tmp_path / "forms.py").write_text(FORMS + SAME_AS_ARITHMETIC + AWAITED_AND_WRAPPED)
     common = tiny_run("grpo.py", total_episodes=16, eval_every=0)  # two iterations
     native, _ = run_main("grpo.py", tmp_path / "native", *common, "--reward_fn", f"{tmp_path}/forms.py:exact")
-    for name, form in [("trl_exact", "TRL's"), ("compute_score", "verl's"), ("reward_func", "OpenRLHF's")]:
+    forms = [("trl_exact", "TRL's"), ("compute_score", "verl's"), ("reward_func", "OpenRLHF's")]
+    for name, form in [*forms, ("trl_async", "TRL's"), ("trl_wrapped", "TRL's")]:
         rows, printed = run_main("grpo.py", tmp_path / name, *common, "--reward_fn", f"{tmp_path}/forms.py:{name}")
         assert f"--reward_fn {tmp_path}/forms.py:{name}: {form} form" in printed  # said before any model loads
         assert without_timing(rows) == without_timing(native), name
         assert weights_digest(tmp_path / name) == weights_digest(tmp_path / "native"), name
         assert rows[-1]["health/reward_errors"] == 0
+
+
+def test_an_async_def_is_awaited_in_every_form():
+    """An async def function's coroutine is run to its end, in whichever form it is written (TRL's trainers await
+    theirs); the answers by hand: "4" is right, "5" wrong."""
+
+    async def ours(responses, answers):
+        return [float(r == a) for r, a in zip(responses, answers)]
+
+    async def trl(completions, answer, **kwargs):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    async def verl(solution_str, ground_truth):
+        return float(solution_str == ground_truth)
+
+    async def openrlhf(queries, prompts, labels):
+        return {"rewards": [float(q[len(p) :] == a) for q, p, a in zip(queries, prompts, labels)]}
+
+    batch = dict(
+        responses=["4", "5"],
+        answers=["4", "4"],
+        prompts=["2+2=", "2+2="],
+        prompt_texts=["2+2=", "2+2="],
+        queries=["2+2=4", "2+2=5"],
+        completion_ids=[[1], [2]],
+        columns=[{"answer": "4"}, {"answer": "4"}],
+        step=0,
+        max_steps=1,
+    )
+    for fn, form in [(ours, "this project's"), (trl, "TRL's"), (verl, "verl's"), (openrlhf, "OpenRLHF's")]:
+        assert call_in_form(fn, form, batch) == ([1.0, 0.0], {}), form
 
 
 # A reward function in the shape of TRL's documented examples: the completions and the dataset's "solution" column
@@ -341,7 +393,7 @@ def test_a_chat_datasets_completions_reach_a_trl_function_as_messages_and_only_t
         step=3,
         max_steps=10,
     )
-    assert call_in_form(fmt, "TRL's", batch) == [1.0, 0.0]
+    assert call_in_form(fmt, "TRL's", batch) == ([1.0, 0.0], {})
     assert seen["completions"] == [
         [{"role": "assistant", "content": "<think>4"}],
         [{"role": "assistant", "content": "4"}],
@@ -364,7 +416,8 @@ def test_a_trl_reward_function_reads_a_csv_column_and_trains_as_the_built_in_rul
     assert weights_digest(tmp_path / "trl") == weights_digest(tmp_path / "builtin")
 
 
-def test_verls_nested_ground_truth_is_read_from_a_parquet_file(tmp_path):
+def test_verls_ground_truth_is_read_nested_from_a_parquet_file_and_flat_from_a_csv(tmp_path):
+    import datasets
     import pyarrow
     import pyarrow.parquet
 
@@ -392,6 +445,104 @@ def test_verls_nested_ground_truth_is_read_from_a_parquet_file(tmp_path):
     )
     assert without_timing(verl) == without_timing(native)
     assert weights_digest(tmp_path / "verl") == weights_digest(tmp_path / "native")
+    # a csv of the same data (datasets' flatten(), as a csv of verl's data names them) has a column of the dotted
+    # name, read as named (before: every answer None, with a warning that listed the column)
+    flat = tmp_path / "flat" / "train.csv"
+    flat.parent.mkdir()
+    datasets.Dataset.from_list(verl_rows).flatten().to_csv(str(flat))
+    assert "reward_model.ground_truth" in flat.read_text().splitlines()[0].split(",")
+    from_csv, _ = run_main(
+        "grpo.py",
+        tmp_path / "verl_csv",
+        *common,
+        f"--dataset={flat}",
+        "--answer_field=reward_model.ground_truth",
+        f"--reward_fn={tmp_path}/forms.py:compute_score",
+    )
+    assert without_timing(from_csv) == without_timing(native)
+
+
+# OpenRLHF's example functions return, beside the rewards, extra_logs: a tensor of a value per response, or one value
+# for the batch (a 0-d tensor); lists too
+OPENRLHF_LOGGED = """
+import torch
+
+def reward_func(queries, prompts, labels, **kwargs):
+    responses = [q[len(p) :].replace("<|endoftext|>", "") for q, p in zip(queries, prompts)]
+    reward = torch.tensor([float(r.strip() == l.strip()) for r, l in zip(responses, labels)])
+    logs = {"correct": reward, "accuracy": reward.mean(), "listed": reward.tolist()}
+    return {"rewards": reward, "scores": reward, "extra_logs": logs}
+
+def too_few(queries, prompts, labels):
+    return {"rewards": torch.zeros(len(queries)), "extra_logs": {"first": torch.zeros(1)}}
+"""
+
+
+def test_openrlhfs_extra_logs_are_logged_as_metrics_by_the_functions_name(tmp_path):
+    """reward/<name>/<key>: the mean over the batch of each response's value (a batch's one value counting for each
+    of its responses), as OpenRLHF logs them. Here every log is the rewards themselves (or their mean): each metric is
+    the rule reward's mean, and the run trains as the same rule in this project's form."""
+    (tmp_path / "openrlhf.py").write_text(OPENRLHF_LOGGED + SAME_AS_ARITHMETIC)
+    common = tiny_run("grpo.py", total_episodes=16, eval_every=0)  # two iterations
+    native, _ = run_main("grpo.py", tmp_path / "native", *common, "--reward_fn", f"{tmp_path}/openrlhf.py:exact")
+    logged, _ = run_main("grpo.py", tmp_path / "logged", *common, "--reward_fn", f"{tmp_path}/openrlhf.py:reward_func")
+    keys = ["reward/reward_func/correct", "reward/reward_func/accuracy", "reward/reward_func/listed"]
+    assert [{k: v for k, v in r.items() if k not in keys} for r in without_timing(logged)] == without_timing(native)
+    for row in logged:
+        assert row["reward/reward_func/correct"] == row["reward/reward_func/listed"] == row["objective/rule_reward"]
+        assert row["reward/reward_func/accuracy"] == pytest.approx(row["objective/rule_reward"], abs=1e-6)
+    assert {r["objective/rule_reward"] for r in logged} != {0.0}  # some right: the means are not all 0
+    fn = rewards.load_reward_fn(f"{tmp_path}/openrlhf.py:too_few", 30)
+    batch = dict(responses=["2", "3"], queries=["1+1=2", "1+1=3"], prompt_texts=["1+1="] * 2, answers=["2", "2"])
+    scores, why = rewards.call_reward_fn(fn, batch, 30)
+    assert why == "nan: the batch's call returned extra_logs['first'] of 1 values for 2 responses"
+    assert all(math.isnan(x) for x in scores)  # the batch fails, as for a wrong number of scores
+    fn.kill()
+
+
+def test_a_file_of_a_package_given_by_path_is_refused_naming_its_module(tmp_path, monkeypatch):
+    """A file that imports its neighbours relatively cannot load as a file: the sentence names the package.module:fn
+    to pass (before: Python's "attempted relative import" alone), which then loads."""
+    package = tmp_path / "graders" / "math"
+    package.mkdir(parents=True)
+    (tmp_path / "graders" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text(SAME_AS_ARITHMETIC)
+    (package / "rules.py").write_text("from .helpers import exact\n")
+    refusal = (
+        f"--reward_fn {package}/rules.py:exact: '{package}/rules.py' could not be loaded (ImportError: attempted "
+        "relative import with no known parent package): it is a module of a package; pass --reward_fn "
+        "graders.math.rules:exact, with the folder that holds graders/ on PYTHONPATH."
+    )
+    with pytest.raises(SystemExit, match=f"^{re.escape(refusal)}$"):
+        rewards.load_reward_fn(f"{package}/rules.py:exact", 30)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = rewards.load_reward_fn("graders.math.rules:exact", 30)
+    assert rewards.call_reward_fn(fn, dict(responses=["2", "3"], answers=["2", "2"]), 30) == ([1.0, 0.0], None)
+    fn.kill()
+
+
+def test_a_trl_function_gets_every_column_of_the_data_for_every_row(tmp_path):
+    """As TRL passes a dataset's columns: one the first row lacks reaches the function for every row, None in that
+    one (before: refused as "'level' is either both or neither", the first row's columns alone being passed)."""
+    (tmp_path / "rule.py").write_text(
+        "def f(completions, level, **kwargs):\n    return [-1.0 if x is None else float(x) for x in level]\n"
+    )
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4", "level": 3}\n')
+    args = make_args(grpo, dataset=str(data), reward_fn=(f"{tmp_path}/rule.py:f",), eval_every=0)
+    reward_fns = rewards.load_reward_fns(args.reward_fn, args.run.reward_timeout)
+    rows = runtime.load_task(args, torch.device("cpu"), reward_fns)[2]
+    batch = dict(  # as score_responses gives it
+        responses=["2", "4"],
+        prompts=[row["prompt"] for row in rows],
+        completion_ids=[[1], [2]],
+        columns=[{k: v for k, v in row.items() if k != "prompt"} for row in rows],
+        step=0,
+        max_steps=1,
+    )
+    assert rewards.call_reward_fn(reward_fns[0][1], batch, 30) == ([-1.0, 3.0], None)
+    reward_fns[0][1].kill()
 
 
 NONE_RULES = """
@@ -1085,8 +1236,18 @@ ROW = '{"prompt": "1+1=", "answer": "2"}'
     "source, row, message",
     [
         ("def f(texts):\n    return [0.0]", ROW, r"f\(texts\) is in none of the forms taken: fn\(responses, answers\)"),
-        ("def f(completions, level, **kw):\n    return [0.0]", ROW, "'level' is either both or neither"),
-        ("def f(completions):\n    return [0.0]", ROW[:-1] + ', "completions": "x"}', "'completions' is either both"),
+        (
+            "def f(completions, level, **kw):\n    return [0.0]",
+            ROW,
+            r"\(TRL's form\) takes 'level', but '.*train.jsonl' has no column of that name \(its columns besides the "
+            r"prompts: answer\); pass data with that column, or give the argument a default\.$",
+        ),
+        (
+            "def f(completions):\n    return [0.0]",
+            ROW[:-1] + ', "completions": "x"}',
+            r"'.*train.jsonl' has a column 'completions', but --reward_fn .*rule.py:f is in TRL's form, which passes "
+            r"prompts, completions, completion_ids, trainer_state itself; rename the column\.$",
+        ),
     ],
 )
 def test_a_function_in_no_form_or_reading_a_column_the_data_lacks_is_refused_before_any_model_loads(
