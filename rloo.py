@@ -477,7 +477,7 @@ def main(args):
                     * response_mask
                     for model in (policy, ref_policy)
                 ]  # (B, T) each
-                response_reward, seq_kl = kl_shaped_rewards(
+                response_reward, reward_kl = kl_shaped_rewards(
                     score, logprobs_now, logprobs_ref, response_mask, args.kl_coef
                 )
             advantages = rloo_advantages(response_reward, G)  # (B,)
@@ -499,9 +499,8 @@ def main(args):
         )
         rollout = runtime.gather_rows(rollout)
         stats = defaultdict(float)  # sums over tokens of what the dashboard shows
-        if args.kl_in_loss:  # the dashboard's KL, read beside the policy in step 5
-            seq_kl = torch.zeros(responses_per_iteration, device=device)  # (N,) log pi_old - log pi_ref, summed
-            kl_read = torch.zeros(responses_per_iteration, device=device)  # (N,) 1 where this process read it
+        seq_kl = torch.zeros(responses_per_iteration, device=device)  # (N,) log pi_old - log pi_ref, summed
+        kl_read = torch.zeros(responses_per_iteration, device=device)  # (N,) 1 where this process read the reference
         runtime.adapter_dropout(models.values(), on=True)  # --lora_dropout, in the training forward only
         for epoch in range(args.num_epochs):
             perm = torch.randperm(responses_per_iteration, generator=rng).to(device)
@@ -571,7 +570,9 @@ def main(args):
         m["adv/abs_mean"] = runtime.global_mean(advantages.abs())
         m["objective/score_normalized"] = runtime.global_mean(score)
         if ref_policy is not None:  # the KL in nats per response, as in ppo.py
-            m["objective/kl"] = runtime.global_mean(seq_kl, kl_read if args.kl_in_loss else None)
+            m["objective/kl"] = (
+                runtime.global_mean(seq_kl, kl_read) if args.kl_in_loss else runtime.global_mean(reward_kl)
+            )
             m["objective/kl_coef"] = args.kl_coef
             m["objective/rlhf_reward"] = m["objective/score"] - args.kl_coef * m["objective/kl"]
 
