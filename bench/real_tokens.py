@@ -346,8 +346,13 @@ def synchronize(device):
         torch.cuda.synchronize()
 
 
-def run_script(tree, script, episodes, out, threads):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(threads), PYTHONPATH=tree)
+def run_script(tree, script, episodes, out, threads, env=None):
+    """Phase times (the first iteration left out) of a default run of tree's script for episodes, evaluation off, with
+    OMP_NUM_THREADS=threads (None: unset, torch's default) and any other variables env names."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")} | (env or {})
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=tree)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(
         [
@@ -369,8 +374,11 @@ def run_script(tree, script, episodes, out, threads):
     return {k: [r[f"time/{k}"] for r in rows] for k in ("iteration", "generate", "score", "optimize")}
 
 
+EPISODES_PER_ITERATION = {"ppo.py": 64, "grpo.py": 256, "rloo.py": 64}  # each default's responses per iteration
+
+
 def scripts_part(before, repeats, iterations, threads):
-    episodes = {"ppo.py": 64, "grpo.py": 256, "rloo.py": 64}
+    episodes = EPISODES_PER_ITERATION
     work = tempfile.mkdtemp()
     old = os.path.join(work, "before")
     subprocess.run(["git", "worktree", "add", "--detach", old, before], cwd=ROOT, check=True, capture_output=True)

@@ -4,15 +4,13 @@ other work holds a core, alternating the settings within each repeat.
 
     python bench/threads.py --out bench/threads.md        # about 10 minutes on a 2-core machine
 
-Each run is `python <script> --total_episodes <iterations x its batch> --eval_every 0 --save_every 0` in a fresh
-folder with OMP_NUM_THREADS set (or unset: torch's default, one thread per core) and, in the last column,
-OMP_WAIT_POLICY=PASSIVE; reported is the median of
-`time/iteration` over the iterations after the first. "Busy" is one process spinning on one core beside the run, the
-shape of a test suite, a compile or a second run on a laptop.
+Each run is bench/real_tokens.py's: `python <script> --total_episodes <iterations + 1 of its batch> --eval_every=0`
+in a fresh folder with OMP_NUM_THREADS set (or unset: torch's default, one thread per core) and, in the last column,
+OMP_WAIT_POLICY=PASSIVE; reported is the median of `time/iteration` over the iterations after the first. "Busy" is
+one process spinning on one core beside the run, the shape of a test suite, a compile or a second run on a laptop.
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -21,39 +19,28 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-BATCH = {"ppo.py": 64, "grpo.py": 32 * 8, "rloo.py": 16 * 4, "dapo.py": 32 * 8}
+from real_tokens import EPISODES_PER_ITERATION, ROOT, run_script
 
-
-def batch_of(script):
-    """Responses per iteration of a script's default (its rollout_batch_size times its group)."""
-    return BATCH[script]
-
-
-SETTINGS = {  # the column: the environment of the run
-    "1 thread": {"OMP_NUM_THREADS": "1"},
-    "2 threads": {"OMP_NUM_THREADS": "2"},
-    "torch's default": {},
-    "2 threads, passive": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+SETTINGS = {  # the column: OMP_NUM_THREADS (None: unset) and the other variables of the run
+    "1 thread": (1, {}),
+    "2 threads": (2, {}),
+    "torch's default": (None, {}),
+    "2 threads, passive": (2, {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
 
 
 def one_run(script, setting, iterations):
     """Median seconds per iteration (the first left out) of one short default run in a SETTINGS environment."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
-    env.update(HF_HUB_OFFLINE="1", WANDB_MODE="disabled", **SETTINGS[setting])
+    threads, env = SETTINGS[setting]
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, str(ROOT / script), "--output_dir", out, "--eval_every", "0", "--save_every", "0"]
-        command += ["--total_episodes", str(iterations * batch_of(script))]
-        subprocess.run(command, env=env, cwd=out, check=True, capture_output=True)
-        rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
-    times = [r["time/iteration"] for r in rows if "time/iteration" in r][1:]
-    return statistics.median(times)
+        episodes = EPISODES_PER_ITERATION[script] * (iterations + 1)
+        times = run_script(str(ROOT), script, episodes, os.path.join(out, "run"), threads, env)
+    return statistics.median(times["iteration"])
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--script", default="ppo.py")
+    p.add_argument("--script", default="ppo.py", choices=sorted(EPISODES_PER_ITERATION))
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)

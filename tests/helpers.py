@@ -248,6 +248,14 @@ def assert_bitwise_equal(a, b):
         assert a == b
 
 
+def constant_reward(folder):
+    """--reward_fn for a reward that never varies (TRL's form, 0.1 for every response), written in folder."""
+    path = os.path.join(folder, "constant.py")
+    with open(path, "w") as f:
+        f.write("def constant(completions, **kwargs):\n    return [0.1] * len(completions)\n")
+    return f"{path}:constant"
+
+
 def failing_reward(tmp_path, from_batch, rank):
     """A prelude that runs a script with the runtime's arithmetic rule behind a grading service that goes away at the
     given rollout (counting batches), on the given process; the script itself runs as python runs it."""

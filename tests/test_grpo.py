@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from helpers import GROUPS_OF_EIGHT, ROOT, make_args, run_main
+from helpers import GROUPS_OF_EIGHT, ROOT, constant_reward, make_args, run_main
 from transformers import AutoModelForCausalLM
 
 import grpo
@@ -272,9 +272,7 @@ def test_zero_signal_groups_are_left_out_of_the_update(tmp_path):
     # A reward that never varies makes every group zero-signal. An entropy bonus still moves the policy, unless those
     # groups are dropped, in which case no step is taken. (Near-greedy sampling made them zero-signal before, but its
     # entropy, at T = 0.01, has no gradient in float32: the policy moved then only by AdamW's weight decay, now off.)
-    reward = tmp_path / "constant.py"
-    reward.write_text("def constant(completions, **kwargs):\n    return [0.1] * len(completions)\n")
-    common = ("--reward_fn", f"{reward}:constant", "--ent_coef=0.01", "--kl_coef=0", "--total_episodes=32")
+    common = ("--reward_fn", constant_reward(tmp_path), "--ent_coef=0.01", "--kl_coef=0", "--total_episodes=32")
     out, rows = run_grpo(tmp_path / "kept", *common)
     assert rows[1]["adv/zero_signal_fraction"] == 1.0
     assert moved(out) > 0

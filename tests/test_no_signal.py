@@ -12,13 +12,12 @@ import os
 
 import pytest
 import torch
-from helpers import ROOT, run_script
+from helpers import ROOT, constant_reward, run_script
 from safetensors.torch import load_file
 
 import rlhf_runtime
 from rlhf_runtime.log import failure_alarms
 
-CONSTANT = "def constant(completions, **kwargs):\n    return [0.1] * len(completions)\n"  # TRL's form, the README's 0.1
 TEN_ITERATIONS = [
     "--rollout_batch_size=2",
     "--num_generations=8",
@@ -36,11 +35,9 @@ TEN_ITERATIONS = [
     ids=["grpo", "dapo-with-kl", "rloo", "rloo-kl-in-loss"],
 )
 def test_a_constant_reward_leaves_the_policy_at_the_reference(tmp_path, script, extra):
-    reward = tmp_path / "constant.py"
-    reward.write_text(CONSTANT)
     out = tmp_path / "run"
     rows, _ = run_script(
-        script, out, "--reward_fn", f"{reward}:constant", "--reward_model_path", *TEN_ITERATIONS, *extra
+        script, out, "--reward_fn", constant_reward(tmp_path), "--reward_model_path", *TEN_ITERATIONS, *extra
     )
     assert len(rows) == 10
     for row in rows:
@@ -54,11 +51,9 @@ def test_a_constant_reward_leaves_the_policy_at_the_reference(tmp_path, script, 
 
 
 def test_ppo_sees_a_constant_score_as_every_score_equal(tmp_path):
-    reward = tmp_path / "constant.py"
-    reward.write_text(CONSTANT)
     options = ["--rollout_batch_size=8", "--minibatch_size=8", "--total_episodes=16", "--eval_every=0"]
     rows, _ = run_script(
-        "ppo.py", tmp_path / "run", "--reward_fn", f"{reward}:constant", "--reward_model_path", *options
+        "ppo.py", tmp_path / "run", "--reward_fn", constant_reward(tmp_path), "--reward_model_path", *options
     )
     # the float32 mean of eight 0.1s is not 0.1: the old test, mean((s - mean)^2) == 0, never saw them as equal
     assert [row["health/zero_signal"] for row in rows] == [1.0, 1.0]
