@@ -1,5 +1,5 @@
-"""The plumbing of ppo.py, grpo.py, rloo.py and dapo.py, written once: each script holds its algorithm and its loop,
-and calls what is here as runtime.NAME. The modules, each importing only those listed before it:
+"""The plumbing of ppo.py, grpo.py, rloo.py, dapo.py and grpo_tools.py, written once: each script holds its algorithm
+and its loop, and calls what is here as runtime.NAME. The modules, each importing only those listed before it:
 
     settings        the run's settings (RunSettings: --help's second group) and the checks every script shares
     processes       torchrun, FSDP2, gathers and means over every process, the command line and the exit code
@@ -10,6 +10,7 @@ and calls what is here as runtime.NAME. The modules, each importing only those l
     data            rows from files or the hub, prompts, stop tokens, the held-out set, each iteration's prompts
     checkpoints     the run lock, --resume, whole-or-absent saves, stop signals, skipped non-finite steps
     log             the dashboard, the alarms, metrics.jsonl, the console, wandb, the final policy
+    tools           grpo_tools.py's --tools, each in a process of its own, the calls read and the answers rendered
 
 The names below are the seams a script calls: to port a loop into another project, replace them.
 """
@@ -49,3 +50,4 @@ from rlhf_runtime.processes import (
 )
 from rlhf_runtime.rewards import Scorer, evaluate, keep_rows, load_reward_fns, score_responses
 from rlhf_runtime.settings import ASSETS, RunSettings, check_common_args, check_model_path, require
+from rlhf_runtime.tools import Tools, assistant_message, load_tools, parse_tool_calls, run_tool_calls, tool_message_ids

@@ -17,9 +17,10 @@ from transformers import AutoTokenizer, GenerationConfig
 from rlhf_runtime.rewards import REWARD_FNS, answer_of, check_reward_columns
 
 
-def load_task(args, device, reward_fns=()):
+def load_task(args, device, reward_fns=(), tools=None):
     """The tokenizer, prompts and rows, held-out (prompts, rows) and the stop tokens (S,), before any model loads; the
-    columns your reward functions read checked against each dataset's. It reads the task's options and the run's."""
+    columns your reward functions read checked against each dataset's. It reads the task's options and the run's;
+    tools: the schemas the chat template renders into every prompt (grpo_tools.py's)."""
     run = args.run
     tokenizer = AutoTokenizer.from_pretrained(run.model_name_or_path, padding_side="left")
     if tokenizer.eos_token_id is None:
@@ -28,12 +29,12 @@ def load_task(args, device, reward_fns=()):
         warnings.warn("the tokenizer has no pad token; using EOS as pad (the masks say what is padding).", stacklevel=2)
         tokenizer.pad_token = tokenizer.eos_token
     stop_ids = stop_token_ids(tokenizer, run.model_name_or_path).to(device)  # the chat template tried first
-    prompts, rows = load_prompts(args.dataset, run.dataset_split, run, tokenizer, args.reward_fn)
+    prompts, rows = load_prompts(args.dataset, run.dataset_split, run, tokenizer, args.reward_fn, tools)
     check_reward_columns(reward_fns, rows, args.dataset, run.prompt_field, run.answer_field)
     eval_path = held_out_dataset(args.dataset, run.eval_dataset, run.eval_every)
     held_out = ([], [])
     if eval_path:
-        held_out = load_prompts(eval_path, run.eval_split, run, tokenizer, args.reward_fn)
+        held_out = load_prompts(eval_path, run.eval_split, run, tokenizer, args.reward_fn, tools)
         check_reward_columns(reward_fns, held_out[1], eval_path, run.prompt_field, run.answer_field)
     elif run.eval_every:
         message = f"--eval_every {run.eval_every}: no held-out set (pass --eval_dataset); nothing is evaluated."
@@ -144,9 +145,10 @@ def read_rows(path, split, prompt_field="prompt", dataset_config=None):
     return rows
 
 
-def load_prompts(path, split, run, tokenizer, reward_fn=()):
+def load_prompts(path, split, run, tokenizer, reward_fn=(), tools=None):
     """A dataset's prompts tokenised once and its rows (dicts, each with every column), every row checked before any
-    model loads (the answers too where a built-in rule of reward_fn, the --reward_fn specs, compares with them)."""
+    model loads (the answers too where a built-in rule of reward_fn, the --reward_fn specs, compares with them). With
+    tools (their schemas), every prompt is rendered by the chat template with them, a text as a user's turn."""
     rows = read_rows(path, split, run.prompt_field, run.dataset_config)
     if len(rows) == 0:
         raise SystemExit(f"dataset '{path}' is empty; pass a dataset with at least one prompt.")
@@ -184,19 +186,21 @@ def load_prompts(path, split, run, tokenizer, reward_fn=()):
             raise SystemExit(f"row {n} of '{path}' has an empty prompt; remove that row.")
         if re.search("[\ud800-\udfff]", str(prompt)):  # half of a UTF-16 pair, which no tokenizer reads
             raise SystemExit(f"row {n} of '{path}' holds a lone surrogate (half of a UTF-16 pair); fix its text.")
-        if (chat or run.chat_template) and tokenizer.chat_template is None:
+        if (chat or run.chat_template or tools) and tokenizer.chat_template is None:
             fix = "drop --chat_template"
             if chat:  # the row holds messages, with --chat_template or without
                 fix = "store the prompts as text"
+            if tools:  # the template renders the tools and their calls
+                fix = "give a model whose template renders tools (its docs name one)"
             raise SystemExit(
                 f"row {n} of '{path}' needs a chat template, but the tokenizer of "
                 f"'{run.model_name_or_path}' has none; save one with it (tokenizer_config.json's chat_template), "
                 f"or {fix}."
             )
-        if isinstance(prompt, str) and run.chat_template:  # --chat_template: the text as a user's turn
+        if isinstance(prompt, str) and (run.chat_template or tools):  # --chat_template: the text as a user's turn
             prompt = [{"role": "user", "content": prompt}]
         if not isinstance(prompt, str):
-            prompt = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            prompt = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
         texts.append(prompt)
     prompts = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     too_long = [i for i, p in enumerate(prompts) if len(p) > run.max_prompt_length]

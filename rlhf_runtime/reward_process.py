@@ -24,6 +24,11 @@ class RewardProcess:
     group of its own that a timeout or a stop kills whole; started again at the next call; it ends with the trainer.
     form: whose form the function is in (reward_form); required: the arguments it names without a default."""
 
+    # rlhf_runtime.tools.ToolProcess runs a --tools function the same way: these, and what the process says, differ
+    option = "--reward_fn"  # the option that names the function, and the one that bounds its time
+    timeout_option = "--reward_timeout"
+    server = "serve_rewards"  # the function that the process runs
+
     def __init__(self, spec):
         self.spec = spec
         self.process = None
@@ -31,10 +36,22 @@ class RewardProcess:
         self.form = None
         self.required = []
 
+    def code(self):
+        """The process's program, without the call of its server."""
+        return reward_process_code()
+
+    def hello(self):
+        """The first message: where modules are found, and the function to load."""
+        return sys.path, self.spec
+
+    def loaded(self, got):
+        """What the process says once the function is loaded: its form and required arguments."""
+        self.form, self.required = got
+
     def start(self, timeout, stops):
         """Starts the process and loads the function there, bounded as a call: None, or (kind, the sentence why not)."""
         ours, theirs = multiprocessing.Pipe()
-        program = f"{reward_process_code()}\nserve_rewards({theirs.fileno()})"
+        program = f"{self.code()}\n{self.server}({theirs.fileno()})"
         # -P: the working folder is not first on its path, where a random.py would shadow the standard library's
         command = [sys.executable, "-P", "-u", "-c", program]
         self.process = subprocess.Popen(
@@ -42,15 +59,15 @@ class RewardProcess:
         )
         theirs.close()
         self.connection = ours
-        kind, got = self.ask((sys.path, self.spec), timeout, stops)
+        kind, got = self.ask(self.hello(), timeout, stops)
         if kind == "loaded":
-            self.form, self.required = got
+            self.loaded(got)
             return None
         if self.process is not None:  # resolve_reward_fn's sentence: the process ends
             self.kill()
         if kind == "timeout":  # a grader whose import waits for a service that is down
-            got = f"loading it gave {got}; check what its import waits for, or pass a longer --reward_timeout."
-        return kind, f"--reward_fn {self.spec}: {got}"
+            got = f"loading it gave {got}; check what its import waits for, or pass a longer {self.timeout_option}."
+        return kind, f"{self.option} {self.spec}: {got}"
 
     def call(self, batch, timeout, stops):
         """ask's answer to batch (score_responses'), the process started first where it is not."""
@@ -74,7 +91,7 @@ class RewardProcess:
                     return "stopped", None
                 if timeout and time.monotonic() > end:
                     self.kill()
-                    return "timeout", f"no answer within --reward_timeout {timeout:g} s"
+                    return "timeout", f"no answer within {self.timeout_option} {timeout:g} s"
             return self.connection.recv()
         except (EOFError, OSError):  # it ended: os._exit(), a crash, a kill from outside (a broken pipe)
             return "raised", f"the process running it ended (exit code {self.kill()})"
@@ -100,12 +117,14 @@ def reward_process_code():
     shipped = (
         reward_module,
         resolve_reward_fn,
+        load_function,
         package_spec,
         reward_form,
         reward_reply,
         call_in_form,
         call_with,
         finished,
+        watch_trainer,
         serve_rewards,
     )
     return "\n".join([imports, *map(inspect.getsource, shipped)])
@@ -127,6 +146,21 @@ def reward_module(path):
 def resolve_reward_fn(spec):
     """In the reward process: (the function spec names, its form), or (None, why not: start puts the --reward_fn
     first)."""
+    fn, failure = load_function(spec)
+    if fn is None:
+        return None, failure
+    form = reward_form(fn)
+    if form is None:
+        return None, (
+            f"{fn.__name__}{inspect.signature(fn)} is in none of the forms taken: fn(responses, answers) (this "
+            "project's), fn(prompts, completions, **kwargs) (TRL's), compute_score(data_source, solution_str, "
+            "ground_truth, extra_info) (verl's), reward_func(queries, prompts, labels) (OpenRLHF's)."
+        )
+    return fn, form
+
+
+def load_function(spec):
+    """In a function's process: (the function spec, file.py:fn or module:fn, names, None), or (None, why not)."""
     where, _, name = spec.rpartition(":")
     try:
         if where.endswith(".py"):
@@ -145,14 +179,7 @@ def resolve_reward_fn(spec):
     fn = getattr(module, name, None)
     if not callable(fn):
         return None, f"'{where}' has no function '{name}'; name one it defines."
-    form = reward_form(fn)
-    if form is None:
-        return None, (
-            f"{name}{inspect.signature(fn)} is in none of the forms taken: fn(responses, answers) (this project's), "
-            "fn(prompts, completions, **kwargs) (TRL's), compute_score(data_source, solution_str, ground_truth, "
-            "extra_info) (verl's), reward_func(queries, prompts, labels) (OpenRLHF's)."
-        )
-    return fn, form
+    return fn, None
 
 
 def package_spec(path):
@@ -218,7 +245,9 @@ def call_in_form(fn, form, batch):
         # every column of the data, None where a row has none (load_prompts gives every row each column)
         columns = {key: [row.get(key) for row in batch["columns"]] for key in batch["columns"][0]}
         completions = batch["responses"]
-        if isinstance(batch["prompts"][0], list):
+        if batch.get("completion_messages"):  # a conversation with tools: its turns, as TRL passes them
+            completions = batch["completion_messages"]
+        elif isinstance(batch["prompts"][0], list):
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         trainer_state = types.SimpleNamespace(global_step=batch["step"], max_steps=batch["max_steps"])
         given = dict(prompts=batch["prompts"], completions=completions, completion_ids=batch["completion_ids"])
@@ -253,14 +282,20 @@ def finished(got):
     return got
 
 
+def watch_trainer(fd):
+    """Forks the watcher, before any of your code runs (a thread would make every later fork, a pool, a risk): it
+    kills the process group once the trainer's end of stdin closes, however the trainer ended."""
+    if os.fork() == 0:
+        os.close(fd)  # the trainer's connection: its end is seen to close when the function's process ends
+        os.read(0, 1)
+        os.killpg(0, signal.SIGKILL)
+
+
 def serve_rewards(fd):
     """The reward process: loads the function, says whether it could (and its form and required arguments), then
     answers each batch sent. It ends with the trainer, however that ends: its watcher kills the process group once
     the trainer's stdin closes."""
-    if os.fork() == 0:  # the watcher, before any reward code: a thread would make every later fork (a pool) a risk
-        os.close(fd)  # the trainer's connection: its end is seen to close when the reward process ends
-        os.read(0, 1)
-        os.killpg(0, signal.SIGKILL)
+    watch_trainer(fd)
     connection = multiprocessing.connection.Connection(fd)
     search_path, spec = connection.recv()
     sys.path[:] = search_path  # the trainer's: its modules found as they would be there

@@ -29,6 +29,7 @@ class Scorer:
     tokenizer: object
     state: dict
     combine: object  # the script's combine_scores: the reward models' scores and the rules' sum into one (B,)
+    completions: list = None  # each response of the next batch as messages, where it is a conversation with tools
 
 
 @dataclass
@@ -77,6 +78,7 @@ def score_responses(scorer, input_ids, attention_mask, P, rows, args, stops=None
         queries=scorer.tokenizer.batch_decode(real),  # the prompt and response as the policy saw them
         completion_ids=[x[len(x) - n :].tolist() for x, n in zip(real, lengths)],
         columns=[{k: v for k, v in row.items() if k != args.run.prompt_field} for row in rows],
+        completion_messages=scorer.completions,  # grpo_tools.py's conversations; None: one assistant's turn each
         step=scorer.state["iteration"],
         max_steps=args.run.num_iterations,
     )
@@ -345,11 +347,13 @@ def evaluate(generate, policy, scorer, sampling, held_out, args, stops):
             idx = [min(i, len(prompts) - 1) for i in mine[start : start + args.run.eval_batch_size]]
             prompt_ids, prompt_mask = left_pad([prompts[i] for i in idx], sampling.pad_token_id, device)
             draws = None if greedy else uniforms[idx].to(device)
-            responses, _, response_mask = generate(policy, prompt_ids, prompt_mask, sampling, draws)
+            # a fourth output, where generate gives one: each response as messages (grpo_tools.py's tool turns)
+            responses, _, response_mask, *completions = generate(policy, prompt_ids, prompt_mask, sampling, draws)
             input_ids = torch.cat([prompt_ids, responses], 1)
             attention_mask = torch.cat([prompt_mask, response_mask], 1)
             P = prompt_ids.shape[1]
             batch_rows = [rows[i] for i in idx]
+            scorer.completions = completions[0] if completions else None
             scores.append(score_responses(scorer, input_ids, attention_mask, P, batch_rows, args, stops).raw)
         result[name] = global_mean(torch.cat(scores), counted)
     failed = any(isinstance(r, str) for r in stops)  # a failed reward (a stop's unanswered call is nan too)

@@ -29,14 +29,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-FILES = ["ppo.py", "grpo.py", "rloo.py", "dapo.py"]
+FILES = ["ppo.py", "grpo.py", "rloo.py", "dapo.py", "grpo_tools.py"]
 
 
 # The definitions that are each algorithm's own even where the name is common to several files.
 ALGORITHM = {"Args", "build_models", "validate", "PRINTED", "main"}
 
 
-# The fields of Args whose defaults (or help) are each algorithm's: the task, the batch sizes, the step sizes.
+# The fields of Args whose defaults (or help) are each algorithm's: the task, the batch sizes, the step sizes (and
+# the response's length and the run's model: a conversation with tools is longer, on its own embedded policy).
 ALGORITHM_FIELDS = {
     "exp_name",
     "output_dir",
@@ -53,6 +54,8 @@ ALGORITHM_FIELDS = {
     "clip_range_high",
     "kl_coef",
     "loss_aggregation",
+    "response_length",
+    "run",
 }
 
 
@@ -64,17 +67,23 @@ MAX_LINE = 120
 # targets. Two are above what was asked, because plain code does not fit: dapo.py's main (asked: 200) holds its rounds
 # of sampling, about 50 lines grpo.py's main does not have; and ppo.py against grpo.py (asked: 450) differs in every
 # section, the docstring, Args, the math, the critic and main, by what PPO and GRPO are (the notes of the change that
-# set them say where each line goes).
-LINES = {"ppo.py": 700, "grpo.py": 600, "rloo.py": 650, "dapo.py": 700}
+# set them say where each line goes). grpo_tools.py's loop comes after its rollout, converse (about 110 lines, with
+# its Conversing and Turns), which stands before main as generate does: at most 520 rather than 450.
+LINES = {"ppo.py": 700, "grpo.py": 600, "rloo.py": 650, "dapo.py": 700, "grpo_tools.py": 700}
 
 
-LOOP_BY, DOC_LINES = 450, 3
+LOOP_BY, DOC_LINES = {"grpo_tools.py": 520}, 3
 
 
-MAIN_LINES = {"ppo.py": 200, "grpo.py": 200, "rloo.py": 200, "dapo.py": 215}
+MAIN_LINES = {"ppo.py": 200, "grpo.py": 200, "rloo.py": 200, "dapo.py": 215, "grpo_tools.py": 200}
 
 
-DIFF_LINES = {("ppo.py", "grpo.py"): 500, ("grpo.py", "rloo.py"): 180, ("grpo.py", "dapo.py"): 200}
+DIFF_LINES = {
+    ("ppo.py", "grpo.py"): 500,
+    ("grpo.py", "rloo.py"): 180,
+    ("grpo.py", "dapo.py"): 200,
+    ("grpo.py", "grpo_tools.py"): 350,
+}
 
 
 # The runtime's modules, each importing only those before it (floors: the scripts over the runtime over the kernels).
@@ -89,6 +98,7 @@ RUNTIME_ORDER = [
     "data",
     "checkpoints",
     "log",
+    "tools",
 ]
 MODULE_LINES = 450
 
@@ -191,7 +201,7 @@ def test_each_script_is_short_and_its_loop_comes_early():
         assert len(text.splitlines()) <= LINES[path], f"{path}: {len(text.splitlines())} lines, past {LINES[path]}"
         main, end = main_span(text)
         loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and getattr(n.target, "id", "") == "iteration")
-        assert loop.lineno < LOOP_BY, f"{path}: the loop starts at line {loop.lineno}"
+        assert loop.lineno < LOOP_BY.get(path, 450), f"{path}: the loop starts at line {loop.lineno}"
         assert end - main.lineno <= MAIN_LINES[path], f"{path}: main runs {end - main.lineno} lines"
 
 

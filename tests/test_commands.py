@@ -62,7 +62,7 @@ from rlhf_runtime import rewards
 # ---------------------------------------------------------------- the documents' commands
 
 
-SCRIPTS = ("ppo.py", "grpo.py", "rloo.py", "dapo.py")
+SCRIPTS = ("ppo.py", "grpo.py", "rloo.py", "dapo.py", "grpo_tools.py")
 
 
 # The documents whose commands are checked, from the repository root (helpers.readme_files reads the same ones).
