@@ -68,11 +68,11 @@ MAX_LINE = 120
 # of sampling, about 50 lines grpo.py's main does not have; and ppo.py against grpo.py (asked: 450) differs in every
 # section, the docstring, Args, the math, the critic and main, by what PPO and GRPO are (the notes of the change that
 # set them say where each line goes). grpo_tools.py's loop comes after its rollout, converse (about 110 lines, with
-# its Conversing and Turns), which stands before main as generate does: at most 520 rather than 450.
+# its Conversing and Turns), which stands before main as generate does: before line 525 rather than 450.
 LINES = {"ppo.py": 700, "grpo.py": 600, "rloo.py": 650, "dapo.py": 700, "grpo_tools.py": 700}
 
 
-LOOP_BY, DOC_LINES = {"grpo_tools.py": 520}, 3
+LOOP_BY, DOC_LINES = {"grpo_tools.py": 525}, 3
 
 
 MAIN_LINES = {"ppo.py": 200, "grpo.py": 200, "rloo.py": 200, "dapo.py": 215, "grpo_tools.py": 200}

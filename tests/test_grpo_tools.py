@@ -140,7 +140,7 @@ def test_a_tool_tokens_gradient_is_exactly_zero(tmp_path, monkeypatch):
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
     opening, closing = tokenizer.convert_tokens_to_ids(["<tool_response>", "</tool_response>"])
-    tool_positions = policy_positions = 0
+    tool_positions, policy_positions = 0, 0
     for ids, grad in captured:
         kept = grad.shape[1]  # the logits of the last `kept` positions: position i predicts token i + 1
         for row in range(len(ids)):
