@@ -119,10 +119,10 @@ DIFFERENCES = [
     (
         "all",
         "optimiser",
-        "torch AdamW (fused), eps 1e-5, weight decay 0.01 on every tensor; PPO: one per model",
+        "torch AdamW (fused), eps 1e-5, no weight decay; PPO: one per model",
         "Trainer's default adamw_torch_fused (torch >= 2.8), eps 1e-8, weight decay 0 "
         "(when set: not on biases and norms); PPO: one over policy and critic",
-        "TRL: adam_epsilon=1e-5, weight_decay=0.01; the decay's exemptions stay (no setting on our side)",
+        "TRL: adam_epsilon=1e-5, weight_decay=0 (its default)",
     ),
     (
         "all",

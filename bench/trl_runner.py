@@ -72,7 +72,7 @@ def trl_config(a):
         learning_rate=a.learning_rate,
         lr_scheduler_type="constant",  # TRL: linear decay to 0; ours: constant
         adam_epsilon=1e-5,
-        weight_decay=0.01,  # ours: torch.optim.AdamW(eps=1e-5), whose weight decay is 0.01
+        weight_decay=0.0,  # ours: torch.optim.AdamW(eps=1e-5, weight_decay=0.0)
         bf16=False,
         fp16=False,  # TRL defaults to bf16; the comparison is fp32
         gradient_checkpointing=False,  # TRL defaults to on; our scripts do not checkpoint
