@@ -1,4 +1,4 @@
-"""Build the embedded default assets: two toy tasks, a tokenizer, an SFT policy and a reward model.
+"""Build the embedded default assets: two toy tasks, a tokenizer, an SFT policy and a reward model; a tool task apart.
 
 Everything the RLHF scripts need to run offline on a CPU is generated here from scratch, with a fixed
 seed, in a few minutes. Nothing is downloaded.
@@ -18,6 +18,9 @@ The world
 * **arithmetic** -- ``"37+58="`` -> ``"95"`` and ``"61-24="`` -> ``"37"`` with operands 0..99 and
   non-negative differences. The continuation is the answer (no space), then EOS. A fixed set of
   operand pairs is held out for the test prompts and never appears in SFT training.
+* **multiply** (``--tools``, a build of its own) -- ``"37*48="`` -> ``"1776"`` with a in 10..99 and b in
+  10..999, products the tiny policy cannot compute, and the ``multiply`` tool of ``tools.py`` that computes
+  them. The policy calls it in the Hermes form and copies its result (see ``TOOLS_TEMPLATE``).
 
 The models
 ----------
@@ -32,11 +35,17 @@ The models
   ``prompt + continuation + "<|endoftext|>"`` and is scored at the last non-pad token (the EOS), so it
   works with left and right padding. A small centring penalty keeps the mean score near 0, and after
   training the score head is rescaled so that scores on SFT samples have standard deviation 1.
+* ``tiny-tools/``: a ``LlamaForCausalLM`` with its own tokenizer (the four tool tags added whole) and chat
+  template, trained from scratch on conversations: given the tool it calls it in a share ``call`` of them
+  (and then copies the result), else it guesses a number of the product's size that is usually wrong.
+  Multi-turn GRPO has the calls to reinforce; without the tool, nothing to find.
 
 Usage
 -----
     python assets/build.py                      # full build into assets/ (a few minutes on 2 cores)
     python assets/build.py --tiny --out DIR     # seconds; same layout, useless models (for CI)
+    python assets/build.py --tools              # the tool task alone: tiny-tools/ and multiply/ (minutes)
+    python assets/build.py --tools --tiny --out DIR
 
 Layout written into ``--out`` (default: this folder)::
 
@@ -45,6 +54,8 @@ Layout written into ``--out`` (default: this folder)::
     reviews/train.jsonl, reviews/test.jsonl          {"prompt": ...}
     arithmetic/train.jsonl, arithmetic/test.jsonl    {"prompt": ..., "answer": ...}
     report.md, report.json
+    tiny-tools/ model, tokenizer files (with TOOLS_TEMPLATE), report.json     (--tools only)
+    multiply/train.jsonl, multiply/test.jsonl        {"prompt": ..., "answer": ...}   (--tools only)
 
 ``report.json`` keys: ``seed``, ``tiny``, ``build_seconds``, ``sft_params``, ``rm_params``,
 ``vocab_size``, ``arith_acc_t1`` (exact match on test prompts, temperature 1), ``arith_acc_greedy``,
@@ -52,7 +63,10 @@ Layout written into ``--out`` (default: this folder)::
 ``review_eos_rate`` (fraction ending with EOS within ``REVIEW_MAX_NEW`` tokens), ``rm_pair_acc``
 (held-out pairs), ``rm_sentiment_corr`` (Pearson, RM score vs sentiment on fresh grammar reviews),
 ``rm_score_mean`` / ``rm_score_std`` (on SFT samples, after rescaling), ``rm_scale`` (the factor the
-head was multiplied by), ``sizes_bytes`` (per folder) and ``total_bytes``.
+head was multiplied by), ``sizes_bytes`` (per folder) and ``total_bytes``. ``tiny-tools/report.json``
+holds the tool policy's numbers on the test prompts at temperature 1, played as a multi-turn rollout
+(``play``): ``tool_call_rate``, ``tool_args_right`` and ``tool_result_copied`` (shares of the calls),
+``acc_with_tool`` and ``acc_without_tool`` (``final_answer``), ``tool_call_rate_without_tool``.
 
 Importing this module is cheap and has no side effects; tests and scripts use ``sentiment``,
 ``make_corpora``, ``sample`` and the constants.
@@ -65,6 +79,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -699,17 +714,373 @@ def build(cfg: Config, out: str, tiny: bool = False, log=print) -> dict:
     return report
 
 
+# ----------------------------------------------------------------------------------------------
+# The tool task (--tools): products the policy cannot compute alone, and a multiply tool
+# ----------------------------------------------------------------------------------------------
+
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOL_MAX_NEW = 40  # a call to multiply is 27 tokens with its EOS, an answer at most 6
+# The tool policy's chat template. Given tools, the prompt opens with one line naming each tool and its parameters:
+# every tool as "name(p1, p2) | ", so "multiply(a, b) | " for assets/tools.py's multiply, 8 tokens where its JSON
+# schema would be a hundred. Without tools, nothing. A user's or system's message is its content as is; an assistant's
+# is its content (none when empty), then each of its tool calls in the Hermes form
+# <tool_call>{"name": "multiply", "arguments": {"a": 37, "b": 48}}</tool_call> (arguments given as a JSON string are
+# written as they are), then EOS: every turn of the policy ends with EOS, so generation stops there and the caller
+# runs the tools. A tool's message is <tool_response>{content}</tool_response>. No generation prompt: the policy's turn
+# follows the prompt or the tool's response directly. {% generation %} marks the policy's turns, so that
+# apply_chat_template(..., return_assistant_tokens_mask=True) says which tokens the SFT loss covers.
+TOOLS_TEMPLATE = (
+    "{% for tool in tools or [] %}"
+    "{{ tool.function.name }}({{ tool.function.parameters.properties | list | join(', ') }}) | "
+    "{% endfor %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}{% generation %}"
+    "{% if message.content %}{{ message.content }}{% endif %}"
+    "{% for call in message.tool_calls or [] %}<tool_call>"
+    "{% if call.function.arguments is string %}"
+    '{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments }}}'
+    "{% else %}{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}{% endif %}"
+    "</tool_call>{% endfor %}"
+    "{{ eos_token }}{% endgeneration %}"
+    "{% elif message.role == 'tool' %}<tool_response>{{ message.content }}</tool_response>"
+    "{% else %}{{ message.content }}{% endif %}"
+    "{% endfor %}"
+)
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolsConfig:
+    seed: int = 0
+    # corpora: a in 10..99, b in 10..999; the test pairs never appear in the SFT data
+    n_sft: int = 60_000  # SFT conversations
+    tools_line: float = 0.75  # share of SFT prompts given the tool
+    call: float = 0.35  # of those, the share that call it; the rest guess, as every prompt without the tool does
+    guess_right: float = 0.05  # share of guesses that are the product
+    n_train: int = 4000
+    n_test: int = 400
+    # tokenizer / model
+    vocab_size: int = 400  # more than needed: training stops when no pair of tokens is left to merge
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    intermediate: int = 352
+    # training
+    sft_steps: int = 2000
+    sft_batch: int = 32
+    sft_groups: int = 4  # slices of a batch padded apart (grouped_lm_loss)
+    sft_lr: float = 3e-3
+    # evaluation
+    n_eval: int = 400
+
+
+TOOLS_TINY = dict(
+    n_sft=300,
+    n_train=50,
+    n_test=20,
+    vocab_size=300,
+    hidden=32,
+    layers=1,
+    heads=2,
+    intermediate=64,
+    sft_steps=5,
+    sft_batch=16,
+    n_eval=20,
+)
+
+
+def multiplication_problems() -> list[tuple[int, int]]:
+    """Every (a, b) with a in 10..99 and b in 10..999: products of 3 to 5 digits."""
+    return [(a, b) for a in range(10, 100) for b in range(10, 1000)]
+
+
+def guess(rng: random.Random, product: int, right: float) -> str:
+    """An answer without the tool, of the product's size: the product with probability `right`, else a random number
+    with as many digits.
+
+    Nothing but the length follows the factors. Where a guess kept part of the product (all but its last two digits,
+    or its first digit), the policy learnt to compute that part, wrongly, and wrote it in place of the tool's result.
+    """
+    if rng.random() < right:
+        return str(product)
+    n = len(str(product))
+    return str(rng.randrange(10 ** (n - 1), 10**n))
+
+
+def tool_conversation(a: int, b: int) -> list[dict]:
+    """The conversation that uses the tool: call multiply with the prompt's factors, then copy its result."""
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
+    result = str(a * b)  # what multiply answers
+    return [
+        {"role": "user", "content": f"{a}*{b}="},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "multiply", "content": result},
+        {"role": "assistant", "content": result},
+    ]
+
+
+def make_tool_corpora(cfg: ToolsConfig) -> dict:
+    """The SFT conversations, with the tool and without, and the prompt sets; a pure function of cfg."""
+    rng = random.Random(cfg.seed)
+    pairs = multiplication_problems()
+    rng.shuffle(pairs)
+    test, pool = pairs[: cfg.n_test], pairs[cfg.n_test :]
+    with_tool, without_tool = [], []
+    for _ in range(cfg.n_sft):
+        a, b = rng.choice(pool)
+        given = rng.random() < cfg.tools_line
+        if given and rng.random() < cfg.call:
+            with_tool.append(tool_conversation(a, b))
+            continue
+        answer = guess(rng, a * b, cfg.guess_right)
+        direct = [{"role": "user", "content": f"{a}*{b}="}, {"role": "assistant", "content": answer}]
+        if given:
+            with_tool.append(direct)
+        else:
+            without_tool.append(direct)
+    return {
+        "sft_with_tool": with_tool,
+        "sft_without_tool": without_tool,
+        "train": [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in pool[: cfg.n_train]],
+        "test": [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in test],
+    }
+
+
+def train_tools_tokenizer(corpora: dict, tools: list[dict], vocab_size: int):
+    """train_tokenizer's BPE on the rendered SFT texts, the four tags added whole, TOOLS_TEMPLATE as chat template.
+
+    The tags are added tokens that are not special: decode(skip_special_tokens=True) keeps them, so a rollout's parser
+    and final_answer read them in the decoded text. The texts are rendered without them and without EOS, so that no
+    merge is spent on their pieces.
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    texts = []
+    for conversations, given in ((corpora["sft_with_tool"], tools), (corpora["sft_without_tool"], None)):
+        rendered, _ = render_jinja_template(conversations, tools=given, chat_template=TOOLS_TEMPLATE, eos_token=EOS)
+        texts += rendered
+    for tag in TOOL_TAGS + [EOS]:
+        texts = [t.replace(tag, " ") for t in texts]
+    tok = train_tokenizer(texts, vocab_size)
+    tok.add_tokens(TOOL_TAGS)
+    tok.chat_template = TOOLS_TEMPLATE
+    return tok
+
+
+def encode_conversations(tok, conversations: list[list[dict]], tools) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of each conversation as the template renders it; labels only on the policy's turns."""
+    enc = tok.apply_chat_template(
+        conversations, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    out = []
+    for ids, mask in zip(enc["input_ids"], enc["assistant_masks"]):
+        out.append((ids, [i if m else -100 for i, m in zip(ids, mask)]))
+    return out
+
+
+def grouped_lm_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int, groups: int) -> torch.Tensor:
+    """lm_loss over the batch sorted by length and padded in `groups` slices, so that short conversations (a guess)
+    do not pay for the padding of long ones (a call, 55 tokens): a third of the compute. Each labelled token weighs
+    the same, as in one padded batch, so the share of calls the policy learns is the data's."""
+    batch = sorted(batch, key=lambda pair: len(pair[0]))
+    size = math.ceil(len(batch) / groups)
+    total = torch.zeros(())
+    count = 0
+    for start in range(0, len(batch), size):
+        ids = pad_right([b[0] for b in batch[start : start + size]], pad_id)
+        labels = pad_right([b[1] for b in batch[start : start + size]], -100)
+        logits = model(input_ids=ids, attention_mask=ids != pad_id).logits
+        total = total + F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum")
+        count += int((labels[:, 1:] != -100).sum())
+    return total / count
+
+
+def train_tools_sft(cfg: ToolsConfig, tok, corpora: dict, tools: list[dict], log=print):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    model = LlamaForCausalLM(llama_config(cfg, tok))
+    data = encode_conversations(tok, corpora["sft_with_tool"], tools)
+    data += encode_conversations(tok, corpora["sft_without_tool"], None)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr, betas=(0.9, 0.98), weight_decay=0.01)
+    rng = random.Random(cfg.seed + 1)
+    model.train()
+    t0 = time.time()
+    for step in range(cfg.sft_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg.sft_steps, cfg.sft_lr)
+        loss = grouped_lm_loss(model, rng.sample(data, cfg.sft_batch), tok.pad_token_id, cfg.sft_groups)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 200 == 0 or step == cfg.sft_steps - 1:
+            log(f"tools sft step {step:5d}  loss {loss.item():.3f}  {time.time() - t0:.0f}s")
+    model.eval()
+    return model
+
+
+def generate_turns(model, tok, inputs: list[list[int]], max_new_tokens: int, batch_size: int = 200) -> list[list[int]]:
+    """One sampled turn after each input (token ids), cut after its first EOS; left-padded batches."""
+    gen_cfg = generation_config(tok, max_new_tokens=max_new_tokens)
+    turns = []
+    with torch.no_grad():
+        for i in range(0, len(inputs), batch_size):
+            enc = tok.pad({"input_ids": inputs[i : i + batch_size]}, return_tensors="pt")
+            gen = model.generate(**enc, generation_config=gen_cfg)
+            for row in gen[:, enc["input_ids"].shape[1] :].tolist():
+                if tok.eos_token_id in row:
+                    row = row[: row.index(tok.eos_token_id) + 1]
+                turns.append(row)
+    return turns
+
+
+def parse_tool_call(text: str) -> dict | None:
+    """The first Hermes-style call in a turn as {"name": ..., "arguments": ...}, or None where there is none or
+    it is not a JSON object."""
+    found = TOOL_CALL.search(text)
+    if found is None:
+        return None
+    try:
+        call = json.loads(found.group(1))
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict):
+        return None
+    return call
+
+
+def run_multiply(call: dict | None) -> str:
+    """The tool's response to a parsed call: multiply's result, or an error text the policy reads instead."""
+    from assets.tools import multiply
+
+    if call is None:
+        return "error: the call is not JSON"
+    arguments = call.get("arguments")
+    if call.get("name") != "multiply" or not isinstance(arguments, dict) or set(arguments) != {"a", "b"}:
+        return "error: call multiply with the arguments a and b"
+    if not all(isinstance(v, int) for v in arguments.values()):
+        return "error: a and b must be whole numbers"
+    return str(multiply(arguments["a"], arguments["b"]))
+
+
+def play(model, tok, prompts: list[str], tools, seed: int) -> list[dict]:
+    """Each prompt's conversation as a multi-turn rollout plays it: sample the policy's turn; where it holds a tool
+    call, run the tool, append its response's tokens and sample the final turn.
+
+    Returns per prompt the parsed call (None where the first turn holds none or it does not parse), whether the
+    first turn holds one, the tool's response text, and the response: every token after the prompt, decoded.
+    """
+    prompt_ids = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}]
+        prompt_ids.append(tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)["input_ids"])
+    torch.manual_seed(seed)
+    first = generate_turns(model, tok, prompt_ids, TOOL_MAX_NEW)
+    results = []
+    for turn in first:
+        text = tok.decode(turn, skip_special_tokens=True)
+        called = "<tool_call>" in text
+        call = parse_tool_call(text)
+        results.append({"called": called, "call": call, "tool": None, "ids": turn})
+    # The tool's response follows the policy's EOS; the policy writes its final turn after it.
+    calling = [i for i, r in enumerate(results) if r["called"]]
+    continued = []
+    for i in calling:
+        results[i]["tool"] = run_multiply(results[i]["call"])
+        reply = tok.apply_chat_template([{"role": "tool", "content": results[i]["tool"]}])["input_ids"]
+        results[i]["ids"] = results[i]["ids"] + reply
+        continued.append(prompt_ids[i] + results[i]["ids"])
+    final = generate_turns(model, tok, continued, TOOL_MAX_NEW)
+    for i, turn in zip(calling, final):
+        results[i]["ids"] = results[i]["ids"] + turn
+    for r in results:
+        r["response"] = tok.decode(r.pop("ids"), skip_special_tokens=True)
+    return results
+
+
+def evaluate_tools(cfg: ToolsConfig, model, tok, corpora: dict, tools: list[dict]) -> dict:
+    """The tool policy on the test prompts at temperature 1, given the tool and not."""
+    from assets.tools import final_answer
+
+    rows = corpora["test"][: cfg.n_eval]
+    prompts, answers = [r["prompt"] for r in rows], [r["answer"] for r in rows]
+    with_tool = play(model, tok, prompts, tools, seed=cfg.seed)
+    without_tool = play(model, tok, prompts, None, seed=cfg.seed)
+    calls = [(r, p) for r, p in zip(with_tool, prompts) if r["called"]]
+    right_args = 0
+    copied = 0
+    for r, prompt in calls:
+        a, _, b = prompt[:-1].partition("*")
+        if r["call"] is not None and r["call"].get("arguments") == {"a": int(a), "b": int(b)}:
+            right_args += 1
+        copied += r["response"].rpartition("</tool_response>")[2].strip() == r["tool"]
+    n = max(1, len(rows))
+    n_calls = max(1, len(calls))
+    return {
+        "tool_call_rate": len(calls) / n,
+        "tool_args_right": right_args / n_calls,
+        "tool_result_copied": copied / n_calls,
+        "acc_with_tool": sum(final_answer([r["response"] for r in with_tool], answers)) / n,
+        "acc_without_tool": sum(final_answer([r["response"] for r in without_tool], answers)) / n,
+        "tool_call_rate_without_tool": sum(r["called"] for r in without_tool) / n,
+    }
+
+
+def build_tools(cfg: ToolsConfig, out: str, tiny: bool = False, log=print) -> dict:
+    from transformers.utils import get_json_schema
+
+    from assets.tools import multiply
+
+    t0 = time.time()
+    tools = [get_json_schema(multiply)]
+    corpora = make_tool_corpora(cfg)
+    log(f"tool corpora: {len(corpora['sft_with_tool'])} with the tool, {len(corpora['sft_without_tool'])} without")
+    tok = train_tools_tokenizer(corpora, tools, cfg.vocab_size)
+    log(f"tokenizer: {len(tok)} tokens")
+    model = train_tools_sft(cfg, tok, corpora, tools, log)
+    metrics = evaluate_tools(cfg, model, tok, corpora, tools)
+    log(f"tools: {metrics}")
+
+    model_dir = os.path.join(out, "tiny-tools")
+    model.generation_config = generation_config(tok, max_new_tokens=TOOL_MAX_NEW)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    tok.save_pretrained(model_dir, save_jinja_files=False)  # the template inside tokenizer_config.json
+    for split in ("train", "test"):
+        write_jsonl(os.path.join(out, "multiply", f"{split}.jsonl"), corpora[split])
+    report = {
+        "seed": cfg.seed,
+        "tiny": tiny,
+        "build_seconds": time.time() - t0,
+        "params": sum(p.numel() for p in model.parameters()),
+        "vocab_size": len(tok),
+        **metrics,
+        "sizes_bytes": {name: folder_bytes(os.path.join(out, name)) for name in ("tiny-tools", "multiply")},
+    }
+    with open(os.path.join(model_dir, "report.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    log(json.dumps(report, indent=2))
+    return report
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=HERE, help="output folder (default: the assets folder)")
     parser.add_argument("--tiny", action="store_true", help="tiny configuration that runs in seconds (CI)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--tools", action="store_true", help="build only the tool task: tiny-tools/ and multiply/")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = replace(Config(seed=args.seed), **(TINY if args.tiny else {}))
-    build(cfg, args.out, tiny=args.tiny, log=lambda msg: print(msg, flush=True))
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    if args.tools:
+        tools_cfg = replace(ToolsConfig(seed=args.seed), **(TOOLS_TINY if args.tiny else {}))
+        build_tools(tools_cfg, args.out, tiny=args.tiny, log=log)
+    else:
+        cfg = replace(Config(seed=args.seed), **(TINY if args.tiny else {}))
+        build(cfg, args.out, tiny=args.tiny, log=log)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))  # the repository root, so that assets.tools imports as in the tests
     sys.exit(main())
