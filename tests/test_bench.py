@@ -363,7 +363,7 @@ def test_trl_config_matches_the_batch_shape_by_hand():
             False,
             "constant",
         )
-        assert (c["adam_epsilon"], c["weight_decay"], c["temperature"]) == (1e-5, 0.01, 1.0)
+        assert (c["adam_epsilon"], c["weight_decay"], c["temperature"]) == (1e-5, 0.0, 1.0)
     # PPO: 64 prompts = 16 per device x 4 accumulation; 4 minibatches of 16; 4 epochs; 0.5 x 0.2 = our vf_coef 0.1
     assert ppo["per_device_train_batch_size"] * ppo["gradient_accumulation_steps"] == 64
     assert ppo["num_mini_batches"] == 4
