@@ -385,12 +385,16 @@ def converse(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
     stop_ids = set(sampling.stop_ids.tolist())
     active = list(range(len(prompts)))  # the rows whose conversation goes on
     for turn in range(1, sampling.max_turns + 1):
-        ids, mask = runtime.left_pad([prompts[b] + tokens[b] for b in active], sampling.pad_token_id, device)
-        steps = max(limit[b] - len(tokens[b]) for b in active)
+        # every process takes the same turns: under FSDP2 each generate gathers the weights, a collective
+        if not runtime.global_mean(torch.tensor([float(len(active))], device=device)):
+            break
+        rows = active or [0]  # a process whose rows are all done samples one again, and keeps nothing of it
+        ids, mask = runtime.left_pad([prompts[b] + tokens[b] for b in rows], sampling.pad_token_id, device)
+        steps = max([limit[b] - len(tokens[b]) for b in active] or [1])
         draws = None  # (rows, steps): each row's draws from its response's next position on
         if uniforms is not None:
-            at = torch.tensor([len(tokens[b]) for b in active])[:, None] + torch.arange(steps)  # (rows, steps)
-            draws = uniforms[active].gather(1, at.clamp(max=T - 1).to(device))
+            at = torch.tensor([len(tokens[b]) for b in rows])[:, None] + torch.arange(steps)  # (rows, steps)
+            draws = uniforms[rows].gather(1, at.clamp(max=T - 1).to(device))
         new, new_logprobs, new_mask = generate(policy, ids, mask, replace(sampling, max_new_tokens=steps), draws)
         going_on = []
         for row, b in enumerate(active):
@@ -424,8 +428,6 @@ def converse(policy, prompt_ids, prompt_mask, sampling, uniforms=None):
             messages[b] += answers
             going_on.append(b)
         active = going_on
-        if not active:
-            break
     pad = [[sampling.pad_token_id] * (T - len(t)) for t in tokens]
     responses = torch.tensor([t + p for t, p in zip(tokens, pad)], device=device)  # (B, T)
     logprobs = torch.tensor([x + [0.0] * len(p) for x, p in zip(logprobs, pad)], device=device)  # (B, T)

@@ -766,6 +766,8 @@ class ToolsConfig:
     heads: int = 4
     intermediate: int = 352
     # training
+    # The policy learns to copy the factors and the tool's result well after the calls' form, at a step that varies
+    # with the seed: 2000 steps are enough for seed 0, not for every seed (docs/embedded-default.md).
     sft_steps: int = 2000
     sft_batch: int = 32
     sft_groups: int = 4  # slices of a batch padded apart (grouped_lm_loss)
@@ -879,9 +881,9 @@ def encode_conversations(tok, conversations: list[list[dict]], tools) -> list[tu
 
 
 def grouped_lm_loss(model, batch: list[tuple[list[int], list[int]]], pad_id: int, groups: int) -> torch.Tensor:
-    """lm_loss over the batch sorted by length and padded in `groups` slices, so that short conversations (a guess)
-    do not pay for the padding of long ones (a call, 55 tokens): a third of the compute. Each labelled token weighs
-    the same, as in one padded batch, so the share of calls the policy learns is the data's."""
+    """lm_loss over the batch sorted by length and padded in `groups` slices, so that short conversations (a guess,
+    about 15 tokens) do not pay for the padding of long ones (a call, 55). Each labelled token weighs the same, as in
+    one padded batch, so the share of calls the policy learns is the data's."""
     batch = sorted(batch, key=lambda pair: len(pair[0]))
     size = math.ceil(len(batch) / groups)
     total = torch.zeros(())
